@@ -1,0 +1,98 @@
+"""`tandem` command line.
+
+Every run subcommand shares the same config options: ``-c FILE`` (TOML), any number of
+``--set key.path=value`` overrides, and ``--dump-config`` to print the resolved config and
+exit. Subcommands register themselves in `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from tandem.app import __version__
+from tandem.app.config import AppConfig, dump_config, load_config
+from tandem.app.errors import ConfigError
+from tandem.app.logging import configure_logging
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its help line, the config type it reads and the function that runs it."""
+
+    help: str
+    config_type: type[AppConfig]
+    run: Callable[[AppConfig, argparse.Namespace], int]
+    default_config: str | None = None
+
+
+def _check(config: AppConfig, args: argparse.Namespace) -> int:
+    """Validate a config and report it as loaded; exits non-zero on a bad config before this."""
+    log = structlog.get_logger("tandem")
+    log.info("config ok", source=args.config or "defaults", run=config.run.name)
+    print(dump_config(config), end="")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "config": Command(
+        help="validate a config file (with overrides) and print it fully resolved",
+        config_type=AppConfig,
+        run=_check,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Asynchronous distributed RL for Mixture-of-Experts coding agents.",
+    )
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p.add_argument(
+            "-c",
+            "--config",
+            metavar="FILE",
+            default=cmd.default_config,
+            help="TOML config file"
+            + (f" (default: {cmd.default_config})" if cmd.default_config else ""),
+        )
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value by dotted key, e.g. --set run.seed=3 (repeatable)",
+        )
+        p.add_argument(
+            "--dump-config", action="store_true", help="print the resolved config as TOML and exit"
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cmd = COMMANDS[args.command]
+    try:
+        config = load_config(cmd.config_type, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"tandem {args.command}: {e}", file=sys.stderr)
+        return 2
+    if args.dump_config:
+        print(dump_config(config), end="")
+        return 0
+    configure_logging(config.logging.level, config.logging.format)
+    return cmd.run(config, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

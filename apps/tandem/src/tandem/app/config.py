@@ -1,0 +1,133 @@
+"""Typed run configs: a msgspec Struct loaded from TOML, with dotted command-line overrides.
+
+Configs are plain data (no torch import), so a bad key or value fails at start with the
+offending key's name, long before any model is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from tandem.app.errors import ConfigError
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the app logs: `format = "auto"` renders for humans on a TTY, JSON lines otherwise."""
+
+    level: str = "info"
+    format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.level.lower() not in {"debug", "info", "warning", "error", "critical"}:
+            raise ValueError(
+                f"level must be one of debug/info/warning/error/critical, not {self.level!r}"
+            )
+        if self.format not in {"auto", "console", "json"}:
+            raise ValueError(f"format must be one of auto/console/json, not {self.format!r}")
+
+
+class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Top-level settings shared by every run: where outputs go and how it is seeded."""
+
+    name: str = "tandem"
+    seed: int = 0
+    output_dir: str = "runs"
+
+
+class AppConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The resolved configuration of one `tandem` invocation."""
+
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse one ``a.b.c=value`` override; the value is read as a TOML value, else as a string.
+
+    ``--set trainer.lr=1e-6`` gives a float, ``--set run.name=x`` a string,
+    ``--set a.ids=[1,2]`` a list.
+    """
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"override {item!r} has an empty key segment")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each dotted override set (creating tables as needed)."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {prefix} is a value, not a table")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file, turning missing files and syntax errors into `ConfigError`."""
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} cannot be read: {e}") from None
+
+
+def _describe(err: msgspec.ValidationError) -> str:
+    """Turn msgspec's ``... - at `$.a.b` `` into ``a.b: ...`` so the key comes first."""
+    head, sep, path = str(err).rpartition(" - at `")
+    if not sep:
+        head, path = str(err), ""
+    key = path.rstrip("`").removeprefix("$").lstrip(".")
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", head)
+    if unknown:
+        full = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+        return f"unknown key `{full}` (check its spelling and section)"
+    return f"{key}: {head}" if key else head
+
+
+def build_config(cls: type[T], data: dict[str, Any], source: str = "config") -> T:
+    """Validate a plain dict into ``cls``; unknown keys and wrong types raise `ConfigError`."""
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid {source}: {_describe(e)}") from None
+
+
+def load_config(
+    cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None
+) -> T:
+    """Load ``cls`` from an optional TOML file plus dotted overrides (later wins)."""
+    data = read_toml(path) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    return build_config(cls, data, source=str(path) if path is not None else "config")
+
+
+def dump_config(config: msgspec.Struct) -> str:
+    """Render a resolved config back to TOML (what `--dump-config` prints)."""
+    return msgspec.toml.encode(config).decode("utf-8")
