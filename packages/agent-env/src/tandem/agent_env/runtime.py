@@ -1,0 +1,164 @@
+"""Process-wide sandbox resources: bwrap, cgroups, scratch space and per-task base layers.
+
+A task's repository is materialised once as a read-only base layer and shared by every
+episode of that task (a GRPO group runs many episodes of one task); each episode only gets an
+empty upper directory for its own writes, so starting an episode costs an overlay mount
+instead of a copy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import os
+import shutil
+import tarfile
+import tempfile
+import threading
+import zipfile
+from pathlib import Path
+from typing import ClassVar
+
+import msgspec
+import structlog
+
+from tandem.agent_env import bwrap as bw
+from tandem.agent_env.cgroups import CgroupManager
+from tandem.agent_env.config import SandboxConfig
+from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.task import Task
+
+log = structlog.get_logger()
+
+
+def _safe_rel(path: str) -> str:
+    rel = os.path.normpath(path)
+    if os.path.isabs(rel) or rel == ".." or rel.startswith("../") or rel == ".":
+        raise SandboxError(f"task file path {path!r} must be relative and inside the repository")
+    return rel
+
+
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    for path, content in files.items():
+        dest = root / _safe_rel(path)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(content)
+
+
+class Runtime:
+    """Shared by all episodes of one process (and one sandbox config)."""
+
+    _shared: ClassVar[dict[tuple[bytes, bool], Runtime]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, config: SandboxConfig, sandboxed: bool = True) -> None:
+        self.config = config
+        self.sandboxed = sandboxed
+        root = config.work_root or (
+            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        )
+        self.root = Path(tempfile.mkdtemp(prefix=f"tandem-agent-env-{os.getpid()}-", dir=root))
+        self._bases: dict[str, Path] = {}
+        self._episodes = 0
+        self.cgroups: CgroupManager | None = None
+        self.bwrap = ""
+        try:
+            if sandboxed:
+                self.bwrap = bw.find_bwrap(config.bwrap)
+                bw.probe(self.bwrap, config.python, str(self.root))
+                self.cgroups = CgroupManager(config.cgroup_root)
+            bw.write_etc(self.root / "etc")
+        except BaseException:
+            self.close()
+            raise
+        self.base_argv = bw.base_args(self.bwrap, config, self.root / "etc") if sandboxed else []
+        atexit.register(self.close)
+
+    @classmethod
+    def shared(cls, config: SandboxConfig, sandboxed: bool = True) -> Runtime:
+        """One runtime per (config, mode) per process, created on first use."""
+        key = (msgspec.json.encode(config), sandboxed)
+        with cls._lock:
+            rt = cls._shared.get(key)
+            if rt is None or rt.root is None:
+                rt = cls._shared[key] = cls(config, sandboxed)
+            return rt
+
+    def base_for(self, task: Task) -> Path:
+        """The read-only base layer holding the task's repository (built once per task)."""
+        digest = hashlib.sha256(
+            msgspec.json.encode([task.id, task.files, task.repo_path])
+        ).hexdigest()[:16]
+        if digest in self._bases:
+            return self._bases[digest]
+        dest = self.root / "bases" / digest
+        if task.repo_path and os.path.isdir(task.repo_path) and not task.files:
+            self._bases[digest] = Path(task.repo_path).resolve()
+            return self._bases[digest]
+        tmp = self.root / "bases" / f".{digest}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if task.repo_path:
+            _extract(Path(task.repo_path), tmp)
+        write_tree(tmp, task.files)
+        tmp.rename(dest)
+        self._bases[digest] = dest
+        return dest
+
+    def hidden_layer(self, task: Task, base: Path, into: Path) -> Path:
+        """Top layer for grading: hidden test files plus pristine copies of ``reset_paths``."""
+        into.mkdir(parents=True, exist_ok=True)
+        for rel in task.hidden_tests.reset_paths:
+            src = base / _safe_rel(rel)
+            dst = into / _safe_rel(rel)
+            if src.is_dir():
+                shutil.copytree(src, dst, dirs_exist_ok=True, symlinks=True)
+            elif src.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst, follow_symlinks=False)
+        write_tree(into, task.hidden_tests.files)
+        return into
+
+    def episode_dir(self) -> Path:
+        self._episodes += 1
+        d = self.root / "episodes" / str(self._episodes)
+        d.mkdir(parents=True)
+        return d
+
+    def close(self) -> None:
+        if self.cgroups is not None:
+            self.cgroups.close()
+            self.cgroups = None
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None  # type: ignore[assignment]
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+
+
+def _extract(archive: Path, dest: Path) -> None:
+    """Unpack a repository archive, refusing members that would land outside ``dest``."""
+    name = archive.name
+    if not archive.is_file():
+        raise SandboxError(
+            f"repository snapshot {archive} is neither a directory nor an archive file"
+        )
+    if name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as zf:
+            for member in zf.namelist():
+                _safe_rel(member.rstrip("/") or ".x")
+            zf.extractall(dest)
+    elif name.endswith((".tar", ".tar.gz", ".tgz", ".tar.xz", ".tar.bz2")):
+        with tarfile.open(archive) as tf:
+            tf.extractall(dest, filter="data")
+    else:
+        raise SandboxError(
+            f"unsupported repository archive {archive}: use .tar, .tar.gz, .tgz or .zip"
+        )
+    entries = list(dest.iterdir())
+    if len(entries) == 1 and entries[0].is_dir():  # strip a single top-level folder
+        inner = entries[0].rename(dest / ".tandem-strip")
+        for child in list(inner.iterdir()):
+            child.rename(dest / child.name)
+        inner.rmdir()

@@ -1,0 +1,220 @@
+"""One running sandbox with its supervisor, and one-shot sandboxed runs (grading).
+
+The episode's writes go to an upper directory on the host (RAM-backed, charged to the
+episode's memory cgroup), so the sandbox can be killed and restarted without losing the
+workspace, and grading can stack that directory between the base and the hidden tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tandem.agent_env import bwrap as bw
+from tandem.agent_env.cgroups import EpisodeCgroup
+from tandem.agent_env.config import SandboxLimits
+from tandem.agent_env.runtime import Runtime
+
+log = structlog.get_logger()
+
+# Joins the cgroups before exec'ing bwrap, so that no process of the sandbox starts outside.
+_JOIN = 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"'
+_STREAM_LIMIT = 8 << 20
+
+
+class SessionLost(Exception):
+    """The supervisor died or stopped answering (killed by the command, or an infra fault)."""
+
+
+def command_env(runtime: Runtime) -> dict[str, str]:
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "USER": "agent",
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        "PAGER": "cat",
+        "GIT_PAGER": "cat",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(runtime.config.env)
+    return env
+
+
+async def spawn(
+    runtime: Runtime, argv: list[str], cgroup: EpisodeCgroup | None, stderr: Any, **kw: Any
+) -> asyncio.subprocess.Process:
+    """Start ``argv`` inside the cgroup (via a tiny shell that joins it, then execs)."""
+    if cgroup is not None:
+        files = cgroup.procs_files
+        argv = ["/bin/sh", "-c", _JOIN, "sh", files[0], files[-1], *argv]
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=kw.pop("stdin", asyncio.subprocess.DEVNULL),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=stderr,
+        limit=_STREAM_LIMIT,
+        start_new_session=True,
+        **kw,
+    )
+
+
+async def reap(proc: asyncio.subprocess.Process, cgroup: EpisodeCgroup | None) -> None:
+    """Kill a sandbox and everything in it, drain its pipes, and wait for it."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    if cgroup is not None:
+        await asyncio.to_thread(cgroup.remove)
+    if proc.stdin is not None:
+        proc.stdin.close()
+    # Keep draining: waiting on a killed child whose pipe nobody reads can hang.
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(stream.read(), 5)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(proc.wait(), 5)
+
+
+class Session:
+    """A supervisor serving tool requests for one episode; restartable, workspace kept."""
+
+    def __init__(self, runtime: Runtime, base: Path, ep_dir: Path, limits: SandboxLimits) -> None:
+        self.runtime = runtime
+        self.base = base
+        self.dir = ep_dir
+        self.limits = limits
+        self.upper = ep_dir / "upper"
+        self.workspace = ep_dir / "ws" if not runtime.sandboxed else Path(bw.WORKSPACE)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.cgroup: EpisodeCgroup | None = None
+        self.starts = 0
+
+    def _supervisor_config(self) -> str:
+        lim = self.limits
+        return json.dumps(
+            {
+                "workspace": str(self.workspace),
+                "shell": self.runtime.config.shell,
+                "timeout": lim.command_timeout_s,
+                "head": lim.output_head_chars,
+                "tail": lim.output_tail_chars,
+                "max_stream": lim.max_output_bytes,
+                "cpu": lim.cpu_seconds,
+                "fsize": lim.file_size_bytes,
+                "nofile": lim.open_files,
+                "env": command_env(self.runtime),
+            }
+        )
+
+    async def start(self) -> None:
+        """Start (or restart) the sandbox; raises SessionLost if it does not come up."""
+        self.starts += 1
+        rt = self.runtime
+        if rt.sandboxed:
+            assert rt.cgroups is not None
+            self.upper.mkdir(exist_ok=True)
+            work = self.dir / f"work{self.starts}"
+            work.mkdir()
+            self.cgroup = await asyncio.to_thread(
+                rt.cgroups.create, self.limits.memory_bytes, self.limits.pids
+            )
+            argv = rt.base_argv + bw.workspace_args([str(self.base)], str(self.upper), str(work))
+            argv += [rt.config.python, "-I", "-S", f"{bw.TOOLS_MOUNT}/supervisor.py"]
+        else:
+            if not self.workspace.exists():
+                await asyncio.to_thread(shutil.copytree, self.base, self.workspace, symlinks=True)
+            argv = [sys.executable, "-I", "-S", str(bw.SANDBOX_DIR / "supervisor.py")]
+        argv.append(self._supervisor_config())
+        errlog = open(self.dir / f"stderr{self.starts}", "wb")  # noqa: SIM115 - closed in stop()
+        try:
+            self.proc = await spawn(rt, argv, self.cgroup, errlog, stdin=asyncio.subprocess.PIPE)
+        finally:
+            errlog.close()
+        try:
+            hello = await self._read(30.0)
+        except SessionLost as e:
+            detail = self._stderr_tail()
+            await self.stop()
+            raise SessionLost(f"sandbox did not start: {e}; stderr: {detail}") from None
+        if not hello.get("ready"):
+            await self.stop()
+            raise SessionLost(f"unexpected greeting from the supervisor: {hello}")
+
+    def _stderr_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return (
+                (self.dir / f"stderr{self.starts}").read_bytes()[-800:].decode("utf-8", "replace")
+            )
+        return ""
+
+    async def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        except TimeoutError:
+            raise SessionLost(f"no answer within {timeout:.0f} s") from None
+        except (ValueError, asyncio.LimitOverrunError):
+            raise SessionLost("oversized answer from the supervisor") from None
+        if not line:
+            raise SessionLost("the supervisor exited")
+        return json.loads(line)
+
+    async def request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send one request; SessionLost if the supervisor dies or hangs (it is then stopped)."""
+        if self.proc is None or self.proc.stdin is None:
+            raise SessionLost("the sandbox is not running")
+        try:
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            await self.proc.stdin.drain()
+            return await self._read(timeout)
+        except (SessionLost, ConnectionError, BrokenPipeError) as e:
+            await self.stop()
+            raise SessionLost(str(e) or type(e).__name__) from None
+
+    def oom_kills(self) -> int:
+        return self.cgroup.oom_kills() if self.cgroup else 0
+
+    def pids_limit_hits(self) -> int:
+        return self.cgroup.pids_limit_hits() if self.cgroup else 0
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            proc, self.proc = self.proc, None
+            await reap(proc, self.cgroup)
+        elif self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
+        self.cgroup = None
+
+    async def discard(self) -> None:
+        """Stop and delete the episode's files."""
+        await self.stop()
+        await asyncio.to_thread(shutil.rmtree, self.dir, True)
+
+    def final_layers(self) -> list[str]:
+        """The final workspace as overlay layers (bottom to top) or a plain directory."""
+        if self.runtime.sandboxed:
+            return [str(self.base), str(self.upper)]
+        return [str(self.workspace)]
+
+
+def os_signal_name(code: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+__all__ = ["Session", "SessionLost", "os_signal_name", "reap", "spawn"]
+_ = os

@@ -1,0 +1,168 @@
+"""The agent's tools: OpenAI function-calling schemas and strict argument validation.
+
+Validation happens on the host before anything reaches the sandbox, so a malformed call
+(unknown tool, invalid JSON, a missing or wrongly typed argument, text that is not valid
+UTF-8) costs a turn and returns a precise error instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """What a policy returns: one function call, plus optional assistant text and metadata.
+
+    ``arguments`` is the JSON text the model produced (or an already parsed dict).
+    ``metadata`` is stored with the step untouched (token ids, log-probs, policy version).
+    """
+
+    name: str
+    arguments: str | bytes | dict[str, Any] = "{}"
+    id: str = ""
+    content: str | None = None
+    metadata: dict[str, Any] = {}
+
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+
+
+def _fn(name: str, description: str, props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": props,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }
+
+
+TOOL_SCHEMAS: list[dict[str, Any]] = [
+    _fn(
+        "bash",
+        "Run a shell command in the repository root (a fresh bash each call; files persist, "
+        "`cd` and variables do not). No network. Output is truncated in the middle when long.",
+        {"command": {**_STR, "description": "the command line"}},
+        ["command"],
+    ),
+    _fn(
+        "read_file",
+        "Show a text file with line numbers, optionally only lines start_line..end_line.",
+        {
+            "path": {**_STR, "description": "path relative to the repository root"},
+            "start_line": {**_INT, "description": "first line (1-based)"},
+            "end_line": {**_INT, "description": "last line (inclusive)"},
+        },
+        ["path"],
+    ),
+    _fn(
+        "search",
+        "Search files for a regular expression (grep -E); prints path:line: text.",
+        {
+            "pattern": {**_STR, "description": "extended regular expression"},
+            "path": {
+                **_STR,
+                "description": "file or directory to search (default: the repository)",
+            },
+            "glob": {**_STR, "description": "only files whose name matches, e.g. *.py"},
+        },
+        ["pattern"],
+    ),
+    _fn(
+        "list_dir",
+        "List a directory (directories end with /).",
+        {
+            "path": {**_STR, "description": "directory (default: the repository root)"},
+            "depth": {**_INT, "description": "levels to descend, 1-5 (default 1)"},
+        },
+        [],
+    ),
+    _fn(
+        "edit",
+        "Replace old_string with new_string in a file; old_string must match exactly once.",
+        {"path": _STR, "old_string": _STR, "new_string": _STR},
+        ["path", "old_string", "new_string"],
+    ),
+    _fn(
+        "write_file",
+        "Create or overwrite a file with the given content.",
+        {"path": _STR, "content": _STR},
+        ["path", "content"],
+    ),
+    _fn("run_tests", "Run the repository's visible tests.", {}, []),
+    _fn("submit", "Submit the current state of the repository as the final answer.", {}, []),
+]
+
+_BY_NAME = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
+TOOL_NAMES = tuple(_BY_NAME)
+
+
+def tool_schemas() -> list[dict[str, Any]]:
+    """The tools in OpenAI function-calling format (a fresh copy, safe to modify)."""
+    return json.loads(json.dumps(TOOL_SCHEMAS))
+
+
+class ToolCallError(ValueError):
+    """A malformed tool call; its message is shown to the agent."""
+
+
+def _check_text(value: str, where: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ToolCallError(
+            f"{where} is not valid UTF-8 text ({e.reason} at position {e.start})"
+        ) from None
+
+
+def parse_call(name: Any, arguments: Any) -> dict[str, Any]:
+    """Validate a call against its schema and return the arguments as a dict."""
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise ToolCallError(f"unknown tool {name!r}; available tools: {', '.join(TOOL_NAMES)}")
+    if isinstance(arguments, bytes):
+        try:
+            arguments = arguments.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ToolCallError(
+                f"arguments of {name} are not valid UTF-8 (byte {e.start})"
+            ) from None
+    if isinstance(arguments, str):
+        _check_text(arguments, f"arguments of {name}")
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ToolCallError(f"arguments of {name} are not valid JSON: {e}") from None
+    if not isinstance(arguments, dict):
+        raise ToolCallError(
+            f"arguments of {name} must be a JSON object, got {type(arguments).__name__}"
+        )
+    schema = _BY_NAME[name]
+    props: dict[str, Any] = schema["properties"]
+    for key in schema["required"]:
+        if key not in arguments:
+            raise ToolCallError(f"{name} is missing the required argument {key!r}")
+    for key, value in arguments.items():
+        if key not in props:
+            raise ToolCallError(
+                f"{name} has no argument {key!r}; it takes: {', '.join(props) or 'none'}"
+            )
+        want = props[key]["type"]
+        if want == "string":
+            if not isinstance(value, str):
+                raise ToolCallError(f"{name}.{key} must be a string, got {type(value).__name__}")
+            _check_text(value, f"{name}.{key}")
+            if "\0" in value and key != "content" and key != "new_string":
+                raise ToolCallError(f"{name}.{key} contains a NUL character")
+        elif want == "integer" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ToolCallError(f"{name}.{key} must be an integer, got {type(value).__name__}")
+    return arguments
