@@ -1,0 +1,224 @@
+"""Per-chunk encoding of one tensor's change: the smallest of unchanged/sparse/XOR/raw.
+
+A chunk is a fixed run of elements of one tensor, handled as unsigned bit patterns.
+
+* sparse: positions of the changed elements as gaps (zero-based distance to the previous
+  change) and the zig-zag of (new - old) mod 2^bits. Adam at RL learning rates moves most
+  changed bf16 weights by one ulp, so the differences are mostly 1 or 2 after zig-zag.
+* xor: new ^ old for every element (wins when most elements change a little).
+* raw: the new bit patterns (anchors, or a chunk unrelated to its base).
+
+Each integer stream is split into byte planes (low byte first) and every plane is one zstd
+frame: the planes have very different statistics, and zstd's literal coder builds one
+Huffman table per block, so planes sharing a block would share a table. Compression and
+decompression are one-shot calls, which release the GIL, so chunks encode in parallel.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import numpy as np
+import zstandard
+
+from tandem.delta_sync.dtypes import INT_BY_WIDTH, UINT_BY_WIDTH
+from tandem.delta_sync.errors import IntegrityError
+from tandem.delta_sync.tensors import TensorView
+
+UNCHANGED, SPARSE, XOR, RAW = 0, 1, 2, 3
+MODE_NAMES = {UNCHANGED: "unchanged", SPARSE: "sparse", XOR: "xor", RAW: "raw"}
+
+# Candidates worth trying, by changed fraction; outside these ranges a mode cannot win.
+SPARSE_MAX_FRACTION = 0.5
+XOR_MIN_FRACTION = 0.04
+RAW_WHEN_XOR_RATIO_BELOW = 1.15
+
+_local = threading.local()
+
+
+class ChunkRecord(msgspec.Struct, array_like=True, frozen=True):
+    """Where one encoded chunk sits in a shard and how to decode it."""
+
+    tensor: int  # index into the shard's table of tensor names
+    chunk: int
+    mode: int
+    count: int  # changed elements (sparse) or elements in the chunk (xor/raw)
+    gap_width: int
+    value_width: int
+    frames: list[int]  # compressed length of each plane frame, in order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.frames)
+
+
+class EncodedChunk(msgspec.Struct, frozen=True):
+    chunk: int
+    mode: int
+    count: int
+    gap_width: int
+    value_width: int
+    frames: list[bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def _width_of(max_value: int) -> int:
+    return max(1, (int(max_value).bit_length() + 7) // 8)
+
+
+def _compress_planes(values: np.ndarray, width: int, level: int) -> list[bytes]:
+    cctx = _cctx(level)
+    if values.itemsize == 1:
+        return [cctx.compress(np.ascontiguousarray(values).data)]
+    b = values.view(np.uint8).reshape(-1, values.itemsize)
+    return [cctx.compress(np.ascontiguousarray(b[:, i]).data) for i in range(width)]
+
+
+def _decompress_planes(
+    frames: list[memoryview], count: int, itemsize: int, where: str
+) -> np.ndarray:
+    dctx = _dctx()
+    out = np.zeros(count, UINT_BY_WIDTH[itemsize])
+    ob = out.view(np.uint8).reshape(count, itemsize)
+    for i, frame in enumerate(frames):
+        try:
+            plane = dctx.decompress(frame, max_output_size=count)
+        except zstandard.ZstdError as e:
+            raise IntegrityError(f"{where}: corrupt zstd frame ({e})") from None
+        if len(plane) != count:
+            raise IntegrityError(f"{where}: plane {i} has {len(plane)} bytes, expected {count}")
+        ob[:, i] = np.frombuffer(plane, np.uint8)
+    return out
+
+
+def zigzag(diff: np.ndarray) -> np.ndarray:
+    """Signed difference (held in its unsigned type, mod 2^bits) -> small unsigned codes."""
+    bits = diff.itemsize * 8
+    s = diff.view(INT_BY_WIDTH[diff.itemsize])
+    return ((s << 1) ^ (s >> (bits - 1))).view(diff.dtype)
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    one = z.dtype.type(1)
+    return (z >> one) ^ (np.zeros_like(z) - (z & one))
+
+
+def encode_sparse(
+    chunk: int, idx: np.ndarray, old: np.ndarray, new: np.ndarray, level: int
+) -> EncodedChunk:
+    gaps = np.diff(idx, prepend=-1) - 1
+    gaps = gaps.astype(np.uint32)
+    z = zigzag(new - old)
+    gw = _width_of(gaps.max())
+    vw = _width_of(z.max())
+    frames = _compress_planes(gaps, gw, level) + _compress_planes(z, vw, level)
+    return EncodedChunk(chunk, SPARSE, int(idx.size), gw, vw, frames)
+
+
+def encode_dense(chunk: int, values: np.ndarray, mode: int, level: int) -> EncodedChunk:
+    return EncodedChunk(
+        chunk,
+        mode,
+        int(values.size),
+        0,
+        values.itemsize,
+        _compress_planes(values, values.itemsize, level),
+    )
+
+
+def encode_chunk(
+    new: TensorView, base: TensorView | None, chunk: int, chunk_elems: int, level: int
+) -> tuple[EncodedChunk | None, int]:
+    """(smallest encoding of chunk `chunk` of `new` against `base`, changed elements).
+
+    The encoding is None for an unchanged chunk. Without a base (an anchor) the chunk is
+    stored raw.
+    """
+    start = chunk * chunk_elems
+    stop = min(start + chunk_elems, new.numel)
+    if base is None:
+        return encode_dense(chunk, new.read(start, stop), RAW, level), stop - start
+    idx = new.changed(base, start, stop)
+    k, n = int(idx.size), stop - start
+    if k == 0:
+        return None, 0
+    best: EncodedChunk | None = None
+    if k <= SPARSE_MAX_FRACTION * n:
+        best = encode_sparse(chunk, idx, base.gather(start, idx), new.gather(start, idx), level)
+    if k >= XOR_MIN_FRACTION * n:
+        new_vals = new.read(start, stop)
+        xor = encode_dense(chunk, new_vals ^ base.read(start, stop), XOR, level)
+        if best is None or xor.nbytes < best.nbytes:
+            best = xor
+        if xor.nbytes * RAW_WHEN_XOR_RATIO_BELOW > n * new.itemsize:
+            raw = encode_dense(chunk, new_vals, RAW, level)
+            if raw.nbytes < best.nbytes:
+                best = raw
+    assert best is not None
+    return best, k
+
+
+def split_frames(rec: ChunkRecord, body: memoryview) -> list[memoryview]:
+    out, pos = [], 0
+    for n in rec.frames:
+        out.append(body[pos : pos + n])
+        pos += n
+    return out
+
+
+def decode_sparse(
+    rec: ChunkRecord, frames: list[memoryview], n: int, itemsize: int, where: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(positions relative to the chunk start, signed differences mod 2^bits)."""
+    if len(frames) != rec.gap_width + rec.value_width:
+        raise IntegrityError(f"{where}: sparse chunk has {len(frames)} frames")
+    if rec.gap_width > 4 or rec.value_width > itemsize:
+        raise IntegrityError(f"{where}: impossible plane widths {rec.gap_width}/{rec.value_width}")
+    gaps = _decompress_planes(frames[: rec.gap_width], rec.count, 4, where)
+    idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if rec.count and (idx[-1] >= n):
+        raise IntegrityError(f"{where}: change position {int(idx[-1])} beyond chunk of {n}")
+    z = _decompress_planes(frames[rec.gap_width :], rec.count, itemsize, where)
+    return idx, unzigzag(z)
+
+
+def decode_dense(
+    rec: ChunkRecord, frames: list[memoryview], n: int, itemsize: int, where: str
+) -> np.ndarray:
+    if rec.count != n or len(frames) != itemsize:
+        raise IntegrityError(f"{where}: dense chunk of {rec.count} elements, expected {n}")
+    return _decompress_planes(frames, n, itemsize, where)
+
+
+def apply_record(cur: np.ndarray, rec: ChunkRecord, frames: list[memoryview], where: str) -> None:
+    """Turn `cur` (the chunk's bit patterns at the base version) into the new version."""
+    n, w = cur.size, cur.itemsize
+    if rec.mode == SPARSE:
+        idx, diff = decode_sparse(rec, frames, n, w, where)
+        cur[idx] += diff
+    elif rec.mode == XOR:
+        cur ^= decode_dense(rec, frames, n, w, where)
+    elif rec.mode == RAW:
+        cur[:] = decode_dense(rec, frames, n, w, where)
+    else:
+        raise IntegrityError(f"{where}: unknown chunk mode {rec.mode}")

@@ -1,0 +1,65 @@
+"""Supported element types and the unsigned integer view each one is diffed in.
+
+Every tensor is handled as the raw bit patterns of its elements (uint8/16/32/64), so the
+delta is exact for -0.0, inf, NaN payloads and subnormals alike.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from tandem.delta_sync.errors import DeltaSyncError
+
+# name -> numpy dtype; names follow torch's spelling (without the "torch." prefix)
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+
+UINT_BY_WIDTH: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
+INT_BY_WIDTH: dict[int, np.dtype] = {
+    1: np.dtype(np.int8),
+    2: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    8: np.dtype(np.int64),
+}
+
+
+def dtype_name_of_numpy(dtype: np.dtype) -> str:
+    for name, dt in NUMPY_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise DeltaSyncError(
+        f"unsupported dtype {dtype}; supported: {', '.join(NUMPY_DTYPES)} "
+        "(cast the tensor or file an issue)"
+    )
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    try:
+        return NUMPY_DTYPES[name]
+    except KeyError:
+        raise DeltaSyncError(
+            f"unknown dtype {name!r} in delta metadata; this build supports "
+            f"{', '.join(NUMPY_DTYPES)} (upgrade tandem-delta-sync?)"
+        ) from None
+
+
+def itemsize(name: str) -> int:
+    return numpy_dtype(name).itemsize

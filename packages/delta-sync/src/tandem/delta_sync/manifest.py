@@ -1,0 +1,142 @@
+"""The manifest: the commit record of one published version, written after all its shards.
+
+A version is made of one or more independently published *parts* (today a single part;
+with per-rank publishing, one part per trainer rank, each listing its own tensors). Each
+part offers one or more *payloads* that produce the version from a given base:
+
+* ``full``   : every chunk raw (an anchor; needs no base),
+* ``delta``  : changes against ``base_version`` (the previous version: the step delta; or
+  the version's anchor: the catch-up delta, so a far-behind reader needs anchor + one delta).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from tandem.delta_sync.errors import DeltaSyncError, IntegrityError
+
+MANIFEST_FORMAT = 1
+LATEST_KEY = "latest"
+
+
+class TensorInfo(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    digest: str  # see tensors.combine_digest
+
+
+class ShardRef(msgspec.Struct, frozen=True):
+    key: str
+    nbytes: int
+    digest: str  # xxh3-128 of the shard's bytes
+
+
+class Payload(msgspec.Struct, frozen=True):
+    kind: Literal["full", "delta"]
+    base_version: int | None
+    base_digest: str | None
+    shards: list[ShardRef]
+    changed: int  # elements that differ from the base (all elements for a full payload)
+    chunks: dict[str, int]  # encoded chunks per mode
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+
+class Part(msgspec.Struct, frozen=True):
+    name: str
+    tensors: list[TensorInfo]
+    payloads: list[Payload]
+
+    def payload_from(self, base: int | None) -> Payload | None:
+        for p in self.payloads:
+            if (base is None and p.kind == "full") or (
+                p.kind == "delta" and p.base_version == base
+            ):
+                return p
+        return None
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    format: int
+    version: int
+    anchor_version: int
+    chunk_bytes: int
+    digest: str  # tensors.state_digest over every tensor of every part
+    created_at: float
+    parts: list[Part]
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {t.name: t for p in self.parts for t in p.tensors}
+
+    def bases(self) -> set[int | None]:
+        """Base versions for which every part has a payload (None = full)."""
+        sets = [
+            {p.base_version if p.kind == "delta" else None for p in part.payloads}
+            for part in self.parts
+        ]
+        return set.intersection(*sets) if sets else set()
+
+    def payload_bytes(self, base: int | None) -> int:
+        total = 0
+        for part in self.parts:
+            p = part.payload_from(base)
+            if p is None:
+                raise DeltaSyncError(f"version {self.version}: part {part.name!r} has no {base}")
+            total += p.nbytes
+        return total
+
+    @property
+    def dense_bytes(self) -> int:
+        from tandem.delta_sync.dtypes import itemsize
+
+        n = 0
+        for t in self.tensors().values():
+            k = itemsize(t.dtype)
+            for s in t.shape:
+                k *= s
+            n += k
+        return n
+
+
+class Latest(msgspec.Struct, frozen=True):
+    version: int
+    digest: str
+
+
+def manifest_key(version: int) -> str:
+    return f"versions/{version:012d}/manifest.json"
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    return msgspec.json.encode(m)
+
+
+def decode_manifest(data: bytes, version: int | None = None) -> Manifest:
+    try:
+        m = msgspec.json.decode(data, type=Manifest)
+    except msgspec.DecodeError as e:
+        raise IntegrityError(f"manifest of version {version}: unreadable ({e})") from None
+    if m.format != MANIFEST_FORMAT:
+        raise DeltaSyncError(
+            f"manifest of version {m.version} has format {m.format}; this build reads "
+            f"{MANIFEST_FORMAT} (upgrade tandem-delta-sync)"
+        )
+    if version is not None and m.version != version:
+        raise IntegrityError(f"manifest at version {version} says it is version {m.version}")
+    return m
+
+
+def encode_latest(latest: Latest) -> bytes:
+    return msgspec.json.encode(latest)
+
+
+def decode_latest(data: bytes) -> Latest:
+    try:
+        return msgspec.json.decode(data, type=Latest)
+    except msgspec.DecodeError as e:
+        raise IntegrityError(f"unreadable `latest` pointer ({e})") from None

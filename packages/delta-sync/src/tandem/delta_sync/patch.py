@@ -1,0 +1,235 @@
+"""Stage a version as a compact patch while serving, then apply it in a short pause.
+
+`stage` (the prepare phase) needs no access to the live tensors: sparse chunks are decoded
+into (positions, bit-pattern differences), which apply as a modular add onto whatever the
+base holds; XOR and raw chunks stay compressed until apply, so staging a delta costs about
+its decoded size and an anchor about its compressed size, never a copy of the model.
+
+`apply_patch` (the pause) patches every chunk in parallel and hashes it while it is hot in
+cache, then checks every tensor against its published digest. If a delta was applied onto
+the wrong base the check fails, and the patch is undone exactly (modular add and XOR are
+invertible; overwritten raw chunks were saved), so the state is left as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem.delta_sync.codec import RAW, SPARSE, XOR, ChunkRecord, decode_dense, decode_sparse
+from tandem.delta_sync.container import iter_shard
+from tandem.delta_sync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
+from tandem.delta_sync.manifest import TensorInfo
+from tandem.delta_sync.parallel import ordered_map
+from tandem.delta_sync.tensors import (
+    TensorView,
+    chunk_digest,
+    chunk_elems_for,
+    combine_digest,
+    n_chunks,
+)
+
+ChunkKey = tuple[str, int]
+
+
+@dataclass
+class ChunkOp:
+    rec: ChunkRecord
+    where: str
+    frames: list[memoryview] | None = None  # xor/raw: decoded during apply
+    idx: np.ndarray | None = None  # sparse: positions relative to the chunk start
+    diff: np.ndarray | None = None  # sparse: bit-pattern differences mod 2^bits
+
+    @property
+    def nbytes(self) -> int:
+        if self.idx is not None and self.diff is not None:
+            return self.idx.nbytes + self.diff.nbytes
+        return sum(len(f) for f in self.frames or [])
+
+
+@dataclass
+class StagedPatch:
+    """Per chunk, the operations that turn the base into the target, in order."""
+
+    full: bool  # the first layer is an anchor: every chunk is overwritten
+    ops: dict[ChunkKey, list[ChunkOp]] = field(default_factory=dict)
+    changed: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.nbytes for ops in self.ops.values() for op in ops)
+
+
+def stage(
+    layers: list[tuple[bool, list[tuple[bytes | memoryview, str]]]],
+    targets: Mapping[str, TensorInfo],
+    *,
+    chunk_bytes: int,
+    pool: ThreadPoolExecutor,
+    label: str,
+) -> StagedPatch:
+    """Decode layers [(is_full, [(shard bytes, where), ...]), ...] into a StagedPatch."""
+    from tandem.delta_sync.dtypes import itemsize
+
+    patch = StagedPatch(full=bool(layers) and layers[0][0])
+    sparse: list[tuple[ChunkOp, int, int]] = []
+    for _, shards in layers:
+        for data, where in shards:
+            for name, rec, frames in iter_shard(data, where):
+                info = targets.get(name)
+                if info is None:
+                    raise IntegrityError(f"{where}: chunk of unknown tensor {name!r}")
+                w = itemsize(info.dtype)
+                ce = chunk_elems_for(w, chunk_bytes)
+                numel = int(np.prod(info.shape, dtype=np.int64))
+                if not 0 <= rec.chunk < n_chunks(numel, ce):
+                    raise IntegrityError(f"{where}: tensor {name!r} has no chunk {rec.chunk}")
+                n = min(ce, numel - rec.chunk * ce)
+                op = ChunkOp(rec, f"{where}, tensor {name!r} chunk {rec.chunk}", frames=frames)
+                patch.ops.setdefault((name, rec.chunk), []).append(op)
+                if rec.mode == SPARSE:
+                    sparse.append((op, n, w))
+                    patch.changed += rec.count
+                elif rec.mode in (XOR, RAW):
+                    patch.changed += rec.count
+                else:
+                    raise IntegrityError(f"{op.where}: unknown chunk mode {rec.mode}")
+    if patch.full:
+        for name, info in targets.items():
+            ce = chunk_elems_for(itemsize(info.dtype), chunk_bytes)
+            for c in range(n_chunks(int(np.prod(info.shape, dtype=np.int64)), ce)):
+                ops = patch.ops.get((name, c))
+                if not ops or ops[0].rec.mode != RAW:
+                    raise IntegrityError(f"{label}: the anchor lacks chunk {c} of {name!r}")
+
+    def decode(item: tuple[ChunkOp, int, int]) -> None:
+        op, n, w = item
+        op.idx, op.diff = decode_sparse(op.rec, op.frames, n, w, op.where)  # type: ignore[arg-type]
+        op.frames = None
+
+    for _ in ordered_map(pool, decode, sparse, 4 * (pool._max_workers or 1)):
+        pass
+    return patch
+
+
+def check_targets(
+    views: Mapping[str, TensorView], targets: Mapping[str, TensorInfo], label: str
+) -> None:
+    for name, info in targets.items():
+        if name not in views:
+            raise DeltaSyncError(f"{label}: the state has no tensor {name!r}; pass the full state")
+        v = views[name]
+        if v.dtype != info.dtype or list(v.shape) != list(info.shape):
+            raise DeltaSyncError(
+                f"{label}: tensor {name!r} is {v.dtype}{list(v.shape)} here but "
+                f"{info.dtype}{info.shape} in the published version"
+            )
+
+
+def _run(view: TensorView, start: int, stop: int, ops: list[ChunkOp]) -> np.ndarray | None:
+    """Apply ops to one chunk; returns the previous bits when a raw op makes them unrecoverable.
+
+    Dense frames are all decoded before the first write, so a corrupt frame leaves the
+    chunk untouched.
+    """
+    n, w = stop - start, view.itemsize
+    dense = [
+        None if op.rec.mode == SPARSE else decode_dense(op.rec, op.frames, n, w, op.where)  # type: ignore[arg-type]
+        for op in ops
+    ]
+    saved = None
+    if any(op.rec.mode == RAW for op in ops):
+        saved = np.array(view.read(start, stop), copy=True)
+    for op, vals in zip(ops, dense, strict=True):
+        if op.rec.mode == SPARSE:
+            view.add_at(start, op.idx, op.diff)  # type: ignore[arg-type]
+        elif op.rec.mode == XOR:
+            view.xor_at(start, vals)  # type: ignore[arg-type]
+        else:
+            view.write(start, vals)  # type: ignore[arg-type]
+    return saved
+
+
+def _undo(view: TensorView, start: int, stop: int, ops: list[ChunkOp], saved) -> None:
+    if saved is not None:
+        view.write(start, saved)
+        return
+    for op in reversed(ops):
+        if op.rec.mode == SPARSE:
+            view.add_at(start, op.idx, np.zeros_like(op.diff) - op.diff)  # type: ignore[arg-type]
+        else:
+            n, w = stop - start, view.itemsize
+            view.xor_at(start, decode_dense(op.rec, op.frames, n, w, op.where))  # type: ignore[arg-type]
+
+
+def apply_patch(
+    patch: StagedPatch,
+    views: Mapping[str, TensorView],
+    targets: Mapping[str, TensorInfo],
+    *,
+    chunk_bytes: int,
+    pool: ThreadPoolExecutor,
+    label: str,
+) -> None:
+    """Patch `views` in place and verify every tensor; on a mismatch undo and raise."""
+    check_targets(views, targets, label)
+    tasks: list[tuple[str, int, int, int]] = []
+    hashes: dict[str, list[bytes]] = {}
+    for name in targets:
+        view = views[name]
+        ce = chunk_elems_for(view.itemsize, chunk_bytes)
+        nc = n_chunks(view.numel, ce)
+        hashes[name] = [b""] * nc
+        tasks.extend((name, c, c * ce, min((c + 1) * ce, view.numel)) for c in range(nc))
+
+    def work(task: tuple[str, int, int, int]):
+        name, c, start, stop = task
+        view = views[name]
+        ops = patch.ops.get((name, c))
+        if ops:
+            saved = _run(view, start, stop, ops)
+            done.append((name, c, start, stop, saved))  # list.append is atomic
+        return name, c, chunk_digest(view.read(start, stop))
+
+    done: list[tuple[str, int, int, int, np.ndarray | None]] = []
+    error: Exception | None = None
+    try:
+        for name, c, digest in ordered_map(pool, work, tasks, 64):
+            hashes[name][c] = digest
+    except Exception as e:  # a chunk failed to decode: roll back what was written
+        error = e
+    bad = None
+    if error is None:
+        bad = next(
+            (
+                n
+                for n, info in targets.items()
+                if combine_digest(info.dtype, tuple(info.shape), hashes[n]) != info.digest
+            ),
+            None,
+        )
+    if error is None and bad is None:
+        return
+    if patch.full:
+        raise IntegrityError(
+            f"{label}: tensor {bad!r} does not match its published digest after writing the "
+            "anchor; the state is inconsistent: pull again"
+        ) from error
+    list(
+        ordered_map(
+            pool,
+            lambda d: _undo(views[d[0]], d[2], d[3], patch.ops[(d[0], d[1])], d[4]),
+            done,
+            64,
+        )
+    )
+    if error is not None:
+        raise error
+    raise BaseMismatchError(
+        f"{label}: after patching, tensor {bad!r} does not match the published digest, so the "
+        "state was not the delta's base version; the patch was undone and nothing changed "
+        "(pull with version=None from an anchor, or pass the state of the base version)"
+    )

@@ -1,0 +1,281 @@
+"""Publish a version after every trainer step: a delta (plus a catch-up delta), or an anchor.
+
+Order of writes, which is what makes a version atomic for readers: all shards (content-
+addressed, skipped if already present), then the manifest, then the `latest` pointer.
+A publisher killed at any point leaves the previous version intact; running the same
+publish again re-uses the shards that were already uploaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from tandem.delta_sync.container import shard_digest, shard_key
+from tandem.delta_sync.encoder import encode_state, tensor_infos
+from tandem.delta_sync.errors import DeltaSyncError, NotFoundError, StoreError
+from tandem.delta_sync.manifest import (
+    LATEST_KEY,
+    MANIFEST_FORMAT,
+    Latest,
+    Manifest,
+    Part,
+    Payload,
+    ShardRef,
+    decode_latest,
+    encode_latest,
+    encode_manifest,
+    manifest_key,
+)
+from tandem.delta_sync.parallel import default_workers
+from tandem.delta_sync.reports import PayloadReport, PublishReport
+from tandem.delta_sync.stores.base import Store
+from tandem.delta_sync.tensors import TensorView, state_digest, view_of, views_of
+
+log = structlog.get_logger()
+
+Progress = Callable[[str, int], None]  # (phase, bytes just done)
+
+
+def read_latest(store: Store) -> Latest | None:
+    try:
+        return decode_latest(store.get(LATEST_KEY))
+    except NotFoundError:
+        return None
+
+
+class Publisher:
+    """Publishes versions of a state (name -> numpy array or torch tensor) into a store.
+
+    Keeps a copy of the last published version (and of the last anchor, for catch-up
+    deltas) on the tensors' device. A fresh Publisher on a non-empty store first rebuilds
+    that copy from the store, so a restarted trainer continues the same stream.
+
+    The state must not change while `publish` runs (publish a snapshot, or publish between
+    optimizer steps).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        anchor_every: int = 25,
+        shard_bytes: int = 32 << 20,
+        chunk_bytes: int = 4 << 20,
+        workers: int | None = None,
+        upload_workers: int = 4,
+        level: int = 1,
+        catchup: bool = True,
+        part: str = "main",
+        progress: Progress | None = None,
+    ) -> None:
+        if anchor_every < 1:
+            raise DeltaSyncError(f"anchor_every must be >= 1, got {anchor_every}")
+        if not (1 << 16) <= chunk_bytes <= (1 << 30):
+            raise DeltaSyncError(f"chunk_bytes must be in [64 KiB, 1 GiB], got {chunk_bytes}")
+        if shard_bytes < chunk_bytes:
+            raise DeltaSyncError("shard_bytes must be at least chunk_bytes")
+        self.store = store
+        self.anchor_every = anchor_every
+        self.shard_bytes = shard_bytes
+        self.chunk_bytes = chunk_bytes
+        self.workers = workers or default_workers()
+        self.upload_workers = upload_workers
+        self.level = level
+        self.catchup = catchup
+        self.part = part
+        self.progress = progress
+        self._prev: dict[str, TensorView] | None = None
+        self._prev_manifest: Manifest | None = None
+        self._anchor: dict[str, TensorView] | None = None
+        self._anchor_manifest: Manifest | None = None
+        self._resumed = False
+
+    @property
+    def version(self) -> int | None:
+        """The last version published (by this object or found in the store)."""
+        return None if self._prev_manifest is None else self._prev_manifest.version
+
+    def _resume(self) -> None:
+        """Rebuild the base (and anchor) of the stream from the store, once."""
+        self._resumed = True
+        latest = read_latest(self.store)
+        if latest is None:
+            return
+        from tandem.delta_sync.subscriber import Subscriber
+
+        sub = Subscriber(self.store, workers=self.workers)
+        log.info("delta_sync.publisher_resume", version=latest.version)
+        m = sub.manifest(latest.version)
+        self._prev = {n: view_of(n, a) for n, a in sub.materialize(latest.version).items()}
+        self._prev_manifest = m
+        if m.anchor_version == m.version:
+            self._anchor, self._anchor_manifest = self._prev, m
+        elif self.catchup:
+            arrays = sub.materialize(m.anchor_version)
+            self._anchor = {n: view_of(n, a) for n, a in arrays.items()}
+            self._anchor_manifest = sub.manifest(m.anchor_version)
+
+    def publish(self, version: int, state: Mapping[str, Any]) -> PublishReport:
+        t0 = time.perf_counter()
+        if not isinstance(version, int) or version < 0:
+            raise DeltaSyncError(f"version must be a non-negative int, got {version!r}")
+        views = views_of(state)
+        if not self._resumed:
+            self._resume()
+        latest = read_latest(self.store)
+        last = None if self._prev_manifest is None else self._prev_manifest.version
+        if latest is not None and latest.version != last:
+            raise DeltaSyncError(
+                f"the store's latest version is {latest.version} but this publisher last "
+                f"published {last}: another publisher is writing to {self.store.describe()}"
+            )
+        if last is not None and version <= last:
+            raise DeltaSyncError(
+                f"cannot publish version {version}: version {last} is already published "
+                "(versions must strictly increase)"
+            )
+        if self.store.exists(manifest_key(version)):
+            raise DeltaSyncError(f"version {version} already exists in {self.store.describe()}")
+
+        prev, anchor = self._prev_manifest, self._anchor_manifest
+        is_anchor = prev is None or anchor is None or version - anchor.version >= self.anchor_every
+        plan: list[tuple[int | None, dict[str, TensorView] | None]] = []
+        if is_anchor:
+            plan.append((None, None))
+        if prev is not None:  # an anchor also gets a step delta: readers one behind stay cheap
+            plan.append((prev.version, self._prev))
+        if not is_anchor and self.catchup and anchor is not None and anchor is not prev:
+            plan.append((anchor.version, self._anchor))
+
+        payloads: list[Payload] = []
+        reports: list[PayloadReport] = []
+        digests: dict[str, str] = {}
+        with (
+            ThreadPoolExecutor(self.workers) as pool,
+            ThreadPoolExecutor(self.upload_workers) as io,
+        ):
+            for i, (base_version, base_views) in enumerate(plan):
+                payload, report, stats_digests = self._publish_payload(
+                    version, views, base_version, base_views, pool, io, hash_new=i == 0
+                )
+                if i == 0:
+                    digests = stats_digests
+                payloads.append(payload)
+                reports.append(report)
+        infos = tensor_infos(views, digests)
+        manifest = Manifest(
+            format=MANIFEST_FORMAT,
+            version=version,
+            anchor_version=version if is_anchor else anchor.version,  # type: ignore[union-attr]
+            chunk_bytes=self.chunk_bytes,
+            digest=state_digest(digests),
+            created_at=time.time(),
+            parts=[Part(self.part, infos, payloads)],
+        )
+        try:
+            self.store.put(manifest_key(version), encode_manifest(manifest))
+            self.store.put(LATEST_KEY, encode_latest(Latest(version, manifest.digest)))
+        except StoreError as e:
+            raise StoreError(
+                f"publishing version {version}: all shards are uploaded but the commit failed "
+                f"({e}); publish version {version} again to finish"
+            ) from e
+        new_base = {n: v.snapshot() for n, v in views.items()}
+        if is_anchor:
+            self._anchor, self._anchor_manifest = new_base, manifest
+        self._prev, self._prev_manifest = new_base, manifest
+        numel = sum(v.numel for v in views.values())
+        report = PublishReport(
+            version=version,
+            anchor_version=manifest.anchor_version,
+            is_anchor=is_anchor,
+            dense_bytes=manifest.dense_bytes,
+            numel=numel,
+            payloads=reports,
+            seconds=time.perf_counter() - t0,
+        )
+        log.info(
+            "delta_sync.published",
+            version=version,
+            anchor=is_anchor,
+            step_bytes=report.step_bytes,
+            ratio=round(report.ratio, 1),
+            seconds=round(report.seconds, 3),
+        )
+        return report
+
+    def _publish_payload(
+        self,
+        version: int,
+        views: dict[str, TensorView],
+        base_version: int | None,
+        base_views: dict[str, TensorView] | None,
+        pool: ThreadPoolExecutor,
+        io: ThreadPoolExecutor,
+        *,
+        hash_new: bool,
+    ) -> tuple[Payload, PayloadReport, dict[str, str]]:
+        what = "anchor" if base_version is None else f"delta from {base_version}"
+        refs: list[ShardRef] = []
+        in_flight: deque[tuple[int, Future[bool]]] = deque()
+        counts = {"uploaded": 0, "skipped": 0}
+
+        def upload(index: int, key: str, data: bytes) -> bool:
+            try:
+                if self.store.exists(key):
+                    return False
+                self.store.put(key, data)
+                return True
+            except StoreError as e:
+                raise StoreError(
+                    f"publishing version {version} ({what}): shard {index} ({key}): {e}; "
+                    "the previous version is intact, publish again to resume"
+                ) from e
+
+        def finish(fut: Future[bool]) -> None:
+            counts["uploaded" if fut.result() else "skipped"] += 1
+
+        def on_shard(data: bytes) -> None:
+            digest = shard_digest(data)
+            key = shard_key(digest)
+            refs.append(ShardRef(key, len(data), digest))
+            in_flight.append((len(refs) - 1, io.submit(upload, len(refs) - 1, key, data)))
+            while len(in_flight) > self.upload_workers:
+                finish(in_flight.popleft()[1])
+            if self.progress is not None:
+                self.progress("upload", len(data))
+
+        on_chunk = (lambda n: self.progress("encode", n)) if self.progress else None
+        try:
+            stats = encode_state(
+                views,
+                base_views,
+                chunk_bytes=self.chunk_bytes,
+                level=self.level,
+                pool=pool,
+                shard_bytes=self.shard_bytes,
+                on_shard=on_shard,
+                hash_new=hash_new,
+                on_chunk=on_chunk,
+            )
+            while in_flight:
+                finish(in_flight.popleft()[1])
+        finally:
+            for _, fut in in_flight:
+                fut.cancel()
+        kind = "full" if base_version is None else "delta"
+        base_digest = None
+        if base_version is not None:
+            base_m = self._prev_manifest if base_views is self._prev else self._anchor_manifest
+            base_digest = base_m.digest  # type: ignore[union-attr]
+        payload = Payload(kind, base_version, base_digest, refs, stats.changed, stats.chunks)
+        report = PayloadReport(
+            kind, base_version, payload.nbytes, stats.changed, stats.chunks, len(refs), **counts
+        )
+        return payload, report, stats.digests

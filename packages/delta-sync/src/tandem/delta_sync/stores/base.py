@@ -1,0 +1,52 @@
+"""The store interface: a flat key -> bytes namespace with atomic whole-object writes.
+
+Layout of a published stream (the same on every backend):
+
+    latest                                  {"version": v, "digest": ...}, written last
+    versions/000000000042/manifest.json     the commit record of version 42
+    shards/ab/ab12....tds                   content-addressed shards (xxh3-128 of the bytes)
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+
+from tandem.delta_sync.errors import StoreError
+
+_KEY = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+
+
+def check_key(key: str) -> str:
+    if not _KEY.match(key) or any(p in (".", "..") for p in key.split("/")):
+        raise StoreError(f"invalid store key {key!r}")
+    return key
+
+
+class Store(ABC):
+    """Where versions are published. Implementations must be safe to call from threads."""
+
+    read_only: bool = False
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The object's bytes; NotFoundError if absent, StoreError if unreachable."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Write the whole object atomically (readers see the old object or the new one)."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Where this store points, for messages (e.g. 's3://bucket/prefix')."""
+
+    def _read_only_error(self, key: str) -> StoreError:
+        return StoreError(
+            f"{self.describe()} is read-only; cannot write {key!r} (publish to the origin store)"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.describe()!r})"

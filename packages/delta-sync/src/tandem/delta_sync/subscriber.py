@@ -1,0 +1,286 @@
+"""Pull published versions: plan the cheapest path, download and verify, stage, apply.
+
+Two phases so an inference engine keeps serving while a version downloads:
+
+    prepared = subscriber.prepare()      # download + verify + decode (no pause)
+    report = prepared.apply(state)       # patch the live tensors in place (the pause)
+
+Path planning: from the version the state is at, either follow the step deltas, or (when
+that would cost more bytes, or the state is unknown) take the newest anchor plus one
+catch-up delta, so a reader any number of versions behind downloads at most about one
+anchor's worth of bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from tandem.delta_sync.container import shard_digest
+from tandem.delta_sync.dtypes import numpy_dtype
+from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundError, StoreError
+from tandem.delta_sync.manifest import Manifest, decode_manifest, manifest_key
+from tandem.delta_sync.parallel import default_workers, ordered_map
+from tandem.delta_sync.patch import StagedPatch, apply_patch, check_targets, stage
+from tandem.delta_sync.publisher import read_latest
+from tandem.delta_sync.reports import PullReport
+from tandem.delta_sync.stores.base import Store
+from tandem.delta_sync.tensors import views_of
+
+log = structlog.get_logger()
+
+Step = tuple[int, int | None]  # (version, base version or None for its anchor payload)
+
+
+class Prepared:
+    """A version downloaded, verified and decoded; `apply` patches a state with it."""
+
+    def __init__(
+        self,
+        subscriber: Subscriber,
+        manifest: Manifest,
+        from_version: int | None,
+        path: list[Step],
+        patch: StagedPatch | None,
+        downloaded: int,
+        cached: int,
+        prepare_seconds: float,
+    ) -> None:
+        self.subscriber = subscriber
+        self.manifest = manifest
+        self.version = manifest.version
+        self.from_version = from_version
+        self.path = path
+        self.patch = patch
+        self.downloaded_bytes = downloaded
+        self.cached_bytes = cached
+        self.prepare_seconds = prepare_seconds
+
+    @property
+    def staged_bytes(self) -> int:
+        return 0 if self.patch is None else self.patch.nbytes
+
+    def apply(self, state: Mapping[str, Any]) -> PullReport:
+        """Patch `state` (which must be at `from_version`) in place; the engine's pause."""
+        t0 = time.perf_counter()
+        sub = self.subscriber
+        label = f"version {self.version}"
+        if sub.version != self.from_version:
+            raise DeltaSyncError(
+                f"{label} was prepared from version {self.from_version} but the subscriber "
+                f"is now at {sub.version}; prepare again"
+            )
+        targets = self.manifest.tensors()
+        views = views_of({n: state[n] for n in targets if n in state}, writable=True)
+        check_targets(views, targets, label)
+        if self.patch is not None:
+            with ThreadPoolExecutor(sub.workers) as pool:
+                apply_patch(
+                    self.patch,
+                    views,
+                    targets,
+                    chunk_bytes=self.manifest.chunk_bytes,
+                    pool=pool,
+                    label=f"{label} (from {self.from_version})",
+                )
+        sub.version = self.version
+        sub.clear_cache()
+        report = PullReport(
+            version=self.version,
+            from_version=self.from_version,
+            path=self.path,
+            downloaded_bytes=self.downloaded_bytes,
+            cached_bytes=self.cached_bytes,
+            changed=0 if self.patch is None else self.patch.changed,
+            prepare_seconds=self.prepare_seconds,
+            apply_seconds=time.perf_counter() - t0,
+        )
+        log.info(
+            "delta_sync.applied",
+            version=self.version,
+            from_version=self.from_version,
+            downloaded=self.downloaded_bytes,
+            prepare_s=round(report.prepare_seconds, 3),
+            apply_s=round(report.apply_seconds, 3),
+        )
+        return report
+
+
+class Subscriber:
+    """Follows a store. `version` is the version the caller's state is at (None: unknown)."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        workers: int | None = None,
+        download_workers: int = 8,
+        version: int | None = None,
+        cache_dir: str | Path | None = None,
+        progress: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.workers = workers or default_workers()
+        self.download_workers = download_workers
+        self.version = version
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.progress = progress
+        self._manifests: dict[int, Manifest] = {}
+        self._shards: dict[str, bytes] = {}  # verified shards kept for a retried prepare
+
+    def latest(self) -> int | None:
+        latest = read_latest(self.store)
+        return None if latest is None else latest.version
+
+    def manifest(self, version: int) -> Manifest:
+        if version not in self._manifests:
+            try:
+                data = self.store.get(manifest_key(version))
+            except NotFoundError:
+                raise NotFoundError(
+                    f"version {version} has no manifest in {self.store.describe()}: it was "
+                    "never published, or its publish did not finish"
+                ) from None
+            self._manifests[version] = decode_manifest(data, version)
+        return self._manifests[version]
+
+    def plan(self, target: int, from_version: int | None) -> list[Step]:
+        """The cheapest sequence of payloads (in bytes) from `from_version` to `target`."""
+        m = self.manifest(target)
+        if m.anchor_version == target:
+            best, best_cost = [(target, None)], m.payload_bytes(None)
+        else:
+            anchor = self.manifest(m.anchor_version)
+            best = [(m.anchor_version, None), (target, m.anchor_version)]
+            best_cost = anchor.payload_bytes(None) + m.payload_bytes(m.anchor_version)
+        if from_version is None:
+            return best
+        steps: list[Step] = []
+        cost, v = 0, target
+        while True:
+            mv = self.manifest(v)
+            bases = mv.bases()
+            if from_version in bases and cost + mv.payload_bytes(from_version) < best_cost:
+                best = list(reversed([*steps, (v, from_version)]))
+                best_cost = cost + mv.payload_bytes(from_version)
+            deltas = [b for b in bases if b is not None and b < v]
+            prev = max(deltas, default=None)
+            if prev is None or prev <= from_version:
+                break
+            cost += mv.payload_bytes(prev)
+            if cost >= best_cost:
+                break
+            steps.append((v, prev))
+            v = prev
+        return best
+
+    def clear_cache(self) -> None:
+        self._shards.clear()
+
+    def _fetch(self, key: str, digest: str, where: str) -> tuple[bytes, bool]:
+        """(verified shard bytes, whether they came from a cache)."""
+        if key in self._shards:
+            return self._shards[key], True
+        cached = self.cache_dir / key if self.cache_dir is not None else None
+        if cached is not None and cached.is_file():
+            data = cached.read_bytes()
+            if shard_digest(data) == digest:
+                return data, True
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            raise NotFoundError(f"{where}: missing from {self.store.describe()}") from None
+        except StoreError as e:
+            raise StoreError(f"{where}: {e}; nothing was applied, prepare again") from e
+        if shard_digest(data) != digest:
+            raise IntegrityError(
+                f"{where}: {len(data)} bytes whose xxh3-128 does not match the manifest "
+                "(truncated or corrupted); nothing was applied"
+            )
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(".tmp")
+            try:
+                tmp.write_bytes(data)
+                tmp.replace(cached)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise StoreError(f"{where}: cannot write the shard cache {cached}: {e}") from e
+        else:
+            self._shards[key] = data
+        return data, False
+
+    def prepare(self, version: int | None = None) -> Prepared:
+        """Download, verify and decode `version` (default: the latest) without touching state."""
+        t0 = time.perf_counter()
+        target = self.latest() if version is None else version
+        if target is None:
+            raise NotFoundError(f"nothing has been published to {self.store.describe()} yet")
+        m = self.manifest(target)
+        if self.version is not None and target < self.version:
+            raise DeltaSyncError(f"cannot go back from version {self.version} to {target}")
+        if target == self.version:
+            return Prepared(self, m, self.version, [], None, 0, 0, time.perf_counter() - t0)
+        path = self.plan(target, self.version)
+        jobs: list[tuple[int, str, str, str]] = []  # (layer, key, digest, where)
+        for layer, (v, base) in enumerate(path):
+            mv = self.manifest(v)
+            what = "anchor" if base is None else f"delta from {base}"
+            for part in mv.parts:
+                payload = part.payload_from(base)
+                if payload is None:
+                    raise IntegrityError(f"version {v}: part {part.name!r} lacks its {what}")
+                for i, ref in enumerate(payload.shards):
+                    where = f"version {v} ({what}) shard {i} ({ref.key})"
+                    jobs.append((layer, ref.key, ref.digest, where))
+        layers: list[tuple[bool, list[tuple[bytes, str]]]] = [
+            (base is None, []) for _, base in path
+        ]
+        downloaded = cached = 0
+        with ThreadPoolExecutor(self.download_workers) as io:
+            fetched = ordered_map(
+                io, lambda j: self._fetch(j[1], j[2], j[3]), jobs, 2 * self.download_workers
+            )
+            for (layer, _, _, where), (data, hit) in zip(jobs, fetched, strict=True):
+                layers[layer][1].append((data, where))
+                if hit:
+                    cached += len(data)
+                else:
+                    downloaded += len(data)
+                if self.progress is not None:
+                    self.progress("download", len(data))
+        with ThreadPoolExecutor(self.workers) as pool:
+            patch = stage(
+                layers,
+                m.tensors(),
+                chunk_bytes=m.chunk_bytes,
+                pool=pool,
+                label=f"version {target}",
+            )
+        return Prepared(
+            self, m, self.version, path, patch, downloaded, cached, time.perf_counter() - t0
+        )
+
+    def pull(self, state: Mapping[str, Any], version: int | None = None) -> PullReport:
+        """prepare + apply in one call."""
+        return self.prepare(version).apply(state)
+
+    def materialize(self, version: int | None = None) -> dict[str, np.ndarray]:
+        """A fresh copy of `version` (default: latest) as numpy arrays, from its anchor."""
+        target = self.latest() if version is None else version
+        if target is None:
+            raise NotFoundError(f"nothing has been published to {self.store.describe()} yet")
+        m = self.manifest(target)
+        arrays = {n: np.zeros(t.shape, numpy_dtype(t.dtype)) for n, t in m.tensors().items()}
+        helper = Subscriber(
+            self.store, workers=self.workers, download_workers=self.download_workers
+        )
+        helper._manifests = self._manifests
+        helper.prepare(target).apply(arrays)
+        return arrays

@@ -1,0 +1,209 @@
+"""Uniform access to numpy arrays and torch tensors as flat vectors of bit patterns.
+
+The codec only ever sees unsigned integer views (uint8/16/32/64). Torch is never imported
+here: a tensor is recognised by the module its type comes from, and torch is only touched
+for objects that already are torch tensors (so the caller has imported it). CUDA tensors
+are handed to `tandem.delta_sync.gpu`, which diffs and patches them on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import xxhash
+
+from tandem.delta_sync.dtypes import UINT_BY_WIDTH, dtype_name_of_numpy, numpy_dtype
+from tandem.delta_sync.errors import DeltaSyncError
+
+
+def is_torch_tensor(x: Any) -> bool:
+    return type(x).__module__.split(".", 1)[0] == "torch" and hasattr(x, "dtype")
+
+
+class TensorView(Protocol):
+    """What the encoder and the patcher need from one tensor, wherever it lives."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    itemsize: int
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Host bit patterns of elements [start, stop) (a view when already on the host)."""
+        ...
+
+    def changed(self, base: TensorView, start: int, stop: int) -> np.ndarray:
+        """Positions (relative to start, int64, ascending) where self differs from base."""
+        ...
+
+    def gather(self, start: int, idx: np.ndarray) -> np.ndarray:
+        """Host bit patterns at positions start + idx."""
+        ...
+
+    def write(self, start: int, values: np.ndarray) -> None: ...
+
+    def scatter(self, start: int, idx: np.ndarray, values: np.ndarray) -> None: ...
+
+    def add_at(self, start: int, idx: np.ndarray, diff: np.ndarray) -> None:
+        """Bit patterns at start + idx += diff, modulo 2^bits (idx unique, ascending)."""
+        ...
+
+    def xor_at(self, start: int, values: np.ndarray) -> None: ...
+
+    def snapshot(self) -> TensorView:
+        """An independent copy on the same device (the publisher's base for the next step)."""
+        ...
+
+
+class HostTensor:
+    """A C-contiguous host array (numpy, or a CPU torch tensor sharing its memory)."""
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], flat: np.ndarray) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.shape = shape
+        self.flat = flat
+        self.numel = int(flat.size)
+        self.itemsize = int(flat.itemsize)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.flat[start:stop]
+
+    def changed(self, base: TensorView, start: int, stop: int) -> np.ndarray:
+        new = self.flat[start:stop]
+        old = base.read(start, stop)
+        mask = new != old
+        if not mask.any():
+            return np.empty(0, np.int64)
+        return np.flatnonzero(mask)
+
+    def gather(self, start: int, idx: np.ndarray) -> np.ndarray:
+        return self.flat[start : start + (int(idx[-1]) + 1 if idx.size else 0)][idx]
+
+    def write(self, start: int, values: np.ndarray) -> None:
+        self.flat[start : start + values.size] = values
+
+    def scatter(self, start: int, idx: np.ndarray, values: np.ndarray) -> None:
+        if idx.size:
+            self.flat[start : start + int(idx[-1]) + 1][idx] = values
+
+    def add_at(self, start: int, idx: np.ndarray, diff: np.ndarray) -> None:
+        if idx.size:
+            self.flat[start : start + int(idx[-1]) + 1][idx] += diff
+
+    def xor_at(self, start: int, values: np.ndarray) -> None:
+        self.flat[start : start + values.size] ^= values
+
+    def snapshot(self) -> HostTensor:
+        return HostTensor(self.name, self.dtype, self.shape, self.flat.copy())
+
+    def to_numpy(self) -> np.ndarray:
+        """The array with its real dtype (bf16/fp8 through ml_dtypes)."""
+        return self.flat.view(numpy_dtype(self.dtype)).reshape(self.shape)
+
+
+def view_of(name: str, x: Any, *, writable: bool = False) -> TensorView:
+    """Wrap a numpy array or torch tensor; `writable` views must alias the caller's memory."""
+    if is_torch_tensor(x):
+        if x.device.type == "cuda":
+            from tandem.delta_sync.gpu import CudaTensor
+
+            return CudaTensor.wrap(name, x, writable=writable)
+        return _torch_cpu_view(name, x, writable)
+    if isinstance(x, np.ndarray):
+        return _numpy_view(name, x, writable)
+    raise DeltaSyncError(
+        f"tensor {name!r} is a {type(x).__name__}; expected a numpy array or a torch tensor"
+    )
+
+
+def _numpy_view(name: str, arr: np.ndarray, writable: bool) -> HostTensor:
+    dtype = dtype_name_of_numpy(arr.dtype)
+    if not arr.flags.c_contiguous or not arr.dtype.isnative:
+        if writable:
+            raise DeltaSyncError(
+                f"tensor {name!r} is not a C-contiguous native-endian array, so it cannot be "
+                "patched in place; pass np.ascontiguousarray(...) and keep that array"
+            )
+        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
+    if writable and not arr.flags.writeable:
+        raise DeltaSyncError(f"tensor {name!r} is read-only; cannot apply a delta in place")
+    flat = arr.reshape(-1).view(UINT_BY_WIDTH[arr.itemsize])
+    return HostTensor(name, dtype, tuple(int(s) for s in arr.shape), flat)
+
+
+def torch_dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def torch_int_view(t: Any) -> Any:
+    """The same storage seen as a signed integer tensor of the same width."""
+    import torch
+
+    width = t.element_size()
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    return t if t.dtype == int_dtype else t.view(int_dtype)
+
+
+def _torch_cpu_view(name: str, t: Any, writable: bool) -> HostTensor:
+    dtype = torch_dtype_name(t)
+    numpy_dtype(dtype)  # validates support with a clear message
+    t = t.detach()
+    if not t.is_contiguous():
+        if writable:
+            raise DeltaSyncError(
+                f"tensor {name!r} is not contiguous, so it cannot be patched in place; "
+                "call .contiguous() on it and keep that tensor"
+            )
+        t = t.contiguous()
+    flat = torch_int_view(t).reshape(-1).numpy().view(UINT_BY_WIDTH[t.element_size()])
+    return HostTensor(name, dtype, tuple(int(s) for s in t.shape), flat)
+
+
+def views_of(state: Mapping[str, Any], *, writable: bool = False) -> dict[str, TensorView]:
+    if not isinstance(state, Mapping):
+        raise DeltaSyncError(f"a state must be a mapping of name -> tensor, got {type(state)}")
+    return {name: view_of(name, state[name], writable=writable) for name in sorted(state)}
+
+
+def chunk_elems_for(itemsize: int, chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // itemsize)
+
+
+def n_chunks(numel: int, chunk_elems: int) -> int:
+    return max(1, -(-numel // chunk_elems))
+
+
+def chunk_digest(values: np.ndarray) -> bytes:
+    return xxhash.xxh3_128_digest(np.ascontiguousarray(values).data)
+
+
+def combine_digest(dtype: str, shape: tuple[int, ...], chunk_digests: list[bytes]) -> str:
+    """Tensor digest: xxh3-128 over dtype, shape and the xxh3-128 of each chunk, in order.
+
+    Hashing chunk by chunk lets every worker hash its own chunk while it is hot in cache.
+    """
+    h = xxhash.xxh3_128()
+    h.update(f"{dtype}{list(shape)}".encode())
+    for d in chunk_digests:
+        h.update(d)
+    return h.hexdigest()
+
+
+def tensor_digest(view: TensorView, chunk_elems: int) -> str:
+    digests = [
+        chunk_digest(view.read(s, min(s + chunk_elems, view.numel)))
+        for s in range(0, max(view.numel, 1), chunk_elems)
+    ]
+    return combine_digest(view.dtype, view.shape, digests)
+
+
+def state_digest(tensor_digests: Mapping[str, str]) -> str:
+    """A version's digest: xxh3-128 over the sorted (name, tensor digest) pairs."""
+    h = xxhash.xxh3_128()
+    for name in sorted(tensor_digests):
+        h.update(name.encode() + b"\0" + tensor_digests[name].encode() + b"\0")
+    return h.hexdigest()
