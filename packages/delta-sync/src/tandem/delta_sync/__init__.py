@@ -1,9 +1,56 @@
 """Bit-exact compressed weight deltas, published and pulled through object stores.
 
 After every RL step the trainer publishes only what changed since the previous version;
-inference engines anywhere pull, verify and apply it with a short pause. No torch needed.
+inference engines anywhere pull, verify and apply it with a short pause. No torch needed:
+numpy arrays and torch tensors (CPU or CUDA) are both accepted.
+
+    pub = Publisher(LocalStore("/shared/run7"))            # or S3Store(...), per trainer
+    pub.publish(step, model.state_dict())
+
+    sub = Subscriber(HttpStore("http://relay:8080"), version=current)   # per engine
+    prepared = sub.prepare()            # download + verify + decode while serving
+    report = prepared.apply(weights)    # the pause: patch in place
 """
 
 from importlib.metadata import version as _version
 
+from tandem.delta_sync.delta import apply_delta, decode_full, encode_delta, encode_full
+from tandem.delta_sync.errors import (
+    BaseMismatchError,
+    DeltaSyncError,
+    IntegrityError,
+    NotFoundError,
+    StoreError,
+)
+from tandem.delta_sync.manifest import Manifest
+from tandem.delta_sync.publisher import Publisher
+from tandem.delta_sync.reports import PayloadReport, PublishReport, PullReport
+from tandem.delta_sync.stores import HttpStore, LocalStore, S3Store, Store, open_store
+from tandem.delta_sync.subscriber import Prepared, Subscriber
+
 __version__ = _version("tandem-delta-sync")
+
+__all__ = [
+    "BaseMismatchError",
+    "DeltaSyncError",
+    "HttpStore",
+    "IntegrityError",
+    "LocalStore",
+    "Manifest",
+    "NotFoundError",
+    "PayloadReport",
+    "Prepared",
+    "PublishReport",
+    "Publisher",
+    "PullReport",
+    "S3Store",
+    "Store",
+    "StoreError",
+    "Subscriber",
+    "__version__",
+    "apply_delta",
+    "decode_full",
+    "encode_delta",
+    "encode_full",
+    "open_store",
+]

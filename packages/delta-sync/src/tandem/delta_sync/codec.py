@@ -4,7 +4,8 @@ A chunk is a fixed run of elements of one tensor, handled as unsigned bit patter
 
 * sparse: positions of the changed elements as gaps (zero-based distance to the previous
   change) and the zig-zag of (new - old) mod 2^bits. Adam at RL learning rates moves most
-  changed bf16 weights by one ulp, so the differences are mostly 1 or 2 after zig-zag.
+  changed bf16 weights by one ulp, so the differences are mostly 1 or 2 after zig-zag;
+  they are stored as 2-bit codes packed four per byte plus an escape stream (pack_small).
 * xor: new ^ old for every element (wins when most elements change a little).
 * raw: the new bit patterns (anchors, or a chunk unrelated to its base).
 
@@ -31,7 +32,7 @@ MODE_NAMES = {UNCHANGED: "unchanged", SPARSE: "sparse", XOR: "xor", RAW: "raw"}
 
 # Candidates worth trying, by changed fraction; outside these ranges a mode cannot win.
 SPARSE_MAX_FRACTION = 0.5
-XOR_MIN_FRACTION = 0.04
+XOR_MIN_FRACTION = 0.2
 RAW_WHEN_XOR_RATIO_BELOW = 1.15
 
 _local = threading.local()
@@ -123,16 +124,40 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     return (z >> one) ^ (np.zeros_like(z) - (z & one))
 
 
+def pack_small(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split codes v >= 0 into min(v, 3) packed four to a byte, and escapes v - 3 for v >= 3.
+
+    zstd's Huffman coder spends at least one bit per byte, while a step's differences carry
+    under two bits each (mostly +-1); packing four 2-bit codes per byte lets the coder see
+    their joint distribution, which brings the values close to their entropy.
+    """
+    low = np.minimum(v, 3).astype(np.uint8)
+    escapes = v[low == 3] - v.dtype.type(3)
+    pad = (-low.size) % 4
+    if pad:
+        low = np.concatenate([low, np.zeros(pad, np.uint8)])
+    q = low.reshape(-1, 4)
+    packed = q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+    return packed, escapes
+
+
+def unpack_small(packed: np.ndarray, count: int) -> np.ndarray:
+    shifts = np.array([0, 2, 4, 6], np.uint8)
+    return ((packed[:, None] >> shifts) & 3).reshape(-1)[:count]
+
+
 def encode_sparse(
     chunk: int, idx: np.ndarray, old: np.ndarray, new: np.ndarray, level: int
 ) -> EncodedChunk:
-    gaps = np.diff(idx, prepend=-1) - 1
-    gaps = gaps.astype(np.uint32)
-    z = zigzag(new - old)
+    gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint32)
+    v = zigzag(new - old) - new.dtype.type(1)  # changed elements have a nonzero difference
+    packed, escapes = pack_small(v)
     gw = _width_of(gaps.max())
-    vw = _width_of(z.max())
-    frames = _compress_planes(gaps, gw, level) + _compress_planes(z, vw, level)
-    return EncodedChunk(chunk, SPARSE, int(idx.size), gw, vw, frames)
+    ew = _width_of(escapes.max()) if escapes.size else 0
+    frames = [*_compress_planes(gaps, gw, level), _cctx(level).compress(packed.data)]
+    if ew:
+        frames += _compress_planes(escapes, ew, level)
+    return EncodedChunk(chunk, SPARSE, int(idx.size), gw, ew, frames)
 
 
 def encode_dense(chunk: int, values: np.ndarray, mode: int, level: int) -> EncodedChunk:
@@ -190,16 +215,22 @@ def decode_sparse(
     rec: ChunkRecord, frames: list[memoryview], n: int, itemsize: int, where: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """(positions relative to the chunk start, signed differences mod 2^bits)."""
-    if len(frames) != rec.gap_width + rec.value_width:
-        raise IntegrityError(f"{where}: sparse chunk has {len(frames)} frames")
-    if rec.gap_width > 4 or rec.value_width > itemsize:
-        raise IntegrityError(f"{where}: impossible plane widths {rec.gap_width}/{rec.value_width}")
-    gaps = _decompress_planes(frames[: rec.gap_width], rec.count, 4, where)
+    gw, ew, k = rec.gap_width, rec.value_width, rec.count
+    if len(frames) != gw + 1 + ew or not 1 <= gw <= 4 or ew > itemsize or k > n:
+        raise IntegrityError(f"{where}: malformed sparse chunk ({len(frames)} frames)")
+    gaps = _decompress_planes(frames[:gw], k, 4, where)
     idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
-    if rec.count and (idx[-1] >= n):
+    if k and idx[-1] >= n:
         raise IntegrityError(f"{where}: change position {int(idx[-1])} beyond chunk of {n}")
-    z = _decompress_planes(frames[rec.gap_width :], rec.count, itemsize, where)
-    return idx, unzigzag(z)
+    packed = _decompress_planes([frames[gw]], (k + 3) // 4, 1, where)
+    v = unpack_small(packed, k).astype(UINT_BY_WIDTH[itemsize])
+    if ew:
+        esc = v == 3
+        n_esc = int(np.count_nonzero(esc))
+        v[esc] += _decompress_planes(frames[gw + 1 :], n_esc, itemsize, where)
+    elif k and int(v.max()) >= 3:
+        raise IntegrityError(f"{where}: escape codes without an escape stream")
+    return idx, unzigzag(v + v.dtype.type(1))
 
 
 def decode_dense(
