@@ -1,0 +1,124 @@
+"""`batch_invariant()`: route torch's own ops to the batch-invariant ones, for a scope.
+
+On entry, kernels for `aten::mm`, `addmm`, `bmm`, `_softmax`, `_log_softmax`, `mean.dim`,
+`silu` and `sigmoid` are registered with `torch.library` for the CPU and CUDA dispatch keys;
+on exit the registration is destroyed and torch's stock kernels are back. `F.linear`,
+`torch.matmul`, `F.rms_norm` and `torch.softmax` decompose into those, so an unmodified
+model becomes invariant. The overrides sit below autograd: backward formulas are torch's.
+
+Nesting is reference-counted (only the outermost scope registers and unregisters) and
+guarded by a lock, so the scope is safe to re-enter from nested code and from threads.
+Nothing is registered at import time.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from tandem.moe_determinism.ops import gemm as _mm
+from tandem.moe_determinism.ops import reduction as _red
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"depth": 0, "library": None}
+
+
+def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _mm.mm(a, b)
+
+
+def _addmm_impl(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
+    return _mm.addmm(bias, a, b, beta=beta, alpha=alpha).to(a.dtype)
+
+
+def _bmm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _mm.bmm(a, b)
+
+
+def _softmax_impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    return _red.softmax(x, dim, dtype=torch.float32 if half_to_float else None)
+
+
+def _log_softmax_impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    if x.is_cuda and dim in (-1, x.dim() - 1) and not half_to_float:
+        from tandem.moe_determinism.kernels.dispatch import cuda_log_softmax
+
+        return cuda_log_softmax(x)
+    return _red.log_softmax(x, dim, dtype=torch.float32 if half_to_float else None)
+
+
+def _mean_impl(
+    x: torch.Tensor,
+    dim: list[int] | None,
+    keepdim: bool = False,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return _red.mean(x, dim, keepdim=keepdim, dtype=dtype)
+
+
+def _silu_impl(x: torch.Tensor) -> torch.Tensor:
+    return _red.silu(x)
+
+
+def _sigmoid_impl(x: torch.Tensor) -> torch.Tensor:
+    return _red.sigmoid(x)
+
+
+_OVERRIDES = {
+    "mm": _mm_impl,
+    "addmm": _addmm_impl,
+    "bmm": _bmm_impl,
+    "_softmax": _softmax_impl,
+    "_log_softmax": _log_softmax_impl,
+    "mean.dim": _mean_impl,
+    "silu": _silu_impl,
+    "sigmoid": _sigmoid_impl,
+}
+
+
+def _register() -> torch.library.Library:
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        # torch warns that a previously registered kernel is overridden: that is the point.
+        warnings.simplefilter("ignore")
+        for name, fn in _OVERRIDES.items():
+            for key in ("CPU", "CUDA"):
+                library.impl(name, fn, key)
+    return library
+
+
+def is_batch_invariant() -> bool:
+    """True while a `batch_invariant()` scope is active (in any thread)."""
+    return bool(_state["depth"])
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within the scope, torch's matmul/softmax/log_softmax/mean/silu/sigmoid are invariant.
+
+    `enabled=False` makes the scope a no-op, so callers can write
+    `with batch_invariant(cfg.deterministic): ...`.
+    """
+    if not enabled:
+        yield
+        return
+    with _lock:
+        if _state["depth"] == 0:
+            _state["library"] = _register()
+        _state["depth"] = int(_state["depth"]) + 1  # type: ignore[call-overload]
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["depth"] = int(_state["depth"]) - 1  # type: ignore[call-overload]
+            if _state["depth"] == 0:
+                library = _state["library"]
+                _state["library"] = None
+                library._destroy()  # type: ignore[union-attr]

@@ -1,0 +1,68 @@
+"""KV cache with slots, for batched decoding of sequences that start and end at different times.
+
+An inference engine owns one `KVCache` with `max_slots` rows; each live sequence holds a slot.
+A forward pass over any subset of slots appends the new tokens of each sequence at its own
+current length (prefill of a new turn and one-token decode look the same), so episodes can
+join, grow by whole turns, and leave independently. Token t of a sequence is stored at
+position t, which is what batch-invariant attention needs: the KV splits of a sequence are
+aligned to its own first token, whatever the other slots hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.model.config import MoEConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: MoEConfig,
+        max_slots: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (max_slots, config.num_key_value_heads, max_len, config.head_dim)
+        self.keys = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        self.values = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        self.lengths = torch.zeros(max_slots, dtype=torch.long)
+        self.max_slots, self.max_len = max_slots, max_len
+
+    def reset(self, slot: int) -> None:
+        """Free a slot for a new sequence (the stale keys are masked by length, not cleared)."""
+        self._check_slot(slot)
+        self.lengths[slot] = 0
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Drop tokens after `length` (e.g. a rejected suffix)."""
+        self._check_slot(slot)
+        if not 0 <= length <= int(self.lengths[slot]):
+            raise MoEDeterminismError(
+                f"cannot truncate slot {slot} of length {int(self.lengths[slot])} to {length}"
+            )
+        self.lengths[slot] = length
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise MoEDeterminismError(f"slot {slot} out of range [0, {self.max_slots})")
+
+    def check_room(self, slots: torch.Tensor, new_tokens: torch.Tensor) -> None:
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.max_slots):
+            raise MoEDeterminismError(
+                f"slots must be in [0, {self.max_slots}), got {slots.tolist()}"
+            )
+        if len(set(slots.tolist())) != slots.numel():
+            raise MoEDeterminismError(f"a slot appears twice in one forward pass: {slots.tolist()}")
+        end = self.lengths[slots] + new_tokens
+        if bool((end > self.max_len).any()):
+            raise MoEDeterminismError(
+                f"KV cache full: slots {slots.tolist()} would reach lengths {end.tolist()} > "
+                f"max_len={self.max_len}; allocate a larger cache or end those sequences"
+            )

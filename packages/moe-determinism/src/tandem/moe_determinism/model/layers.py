@@ -1,0 +1,228 @@
+"""Layers of the reference MoE transformer: RMSNorm, RoPE, GQA attention, SwiGLU MoE.
+
+Every layer works on a flat list of tokens [N, hidden] (the valid tokens of a padded or
+packed batch, sequence after sequence); only attention needs to know which tokens belong
+together, and it gets that from a `TokenLayout`. Matmuls go through `F.linear`, norms
+through `mean`, activations through `F.silu`, so `batch_invariant()` makes them invariant;
+attention calls the invariant kernel when that scope is active, torch's SDPA otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.moe_determinism import ops
+from tandem.moe_determinism.mode import is_batch_invariant
+from tandem.moe_determinism.model.cache import KVCache
+from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.routing import combine, route
+
+
+@dataclass
+class TokenLayout:
+    """Where the flat tokens of one forward pass sit.
+
+    seq_of [N]: sequence index of each token; index [N]: its index among that sequence's new
+    tokens; counts [S]: new tokens per sequence; offsets [S]: tokens already in the KV cache
+    (0 without a cache); positions [N] = offsets[seq_of] + index.
+    """
+
+    seq_of: torch.Tensor
+    index: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    positions: torch.Tensor
+    cache: KVCache | None = None
+    slots: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.counts.numel())
+
+    @property
+    def max_count(self) -> int:
+        return int(self.counts.max()) if self.counts.numel() else 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = x.float()
+        acc = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * acc.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, head_dim] for the rotate-half RoPE of Llama/Qwen, computed per element."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D]; cos/sin [N, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None].to(x.dtype)) + (rotated * sin[:, None].to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = apply_rope(self.q_norm(self.q_proj(x).view(n, h, d)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(n, hkv, d)), cos, sin)
+        v = self.v_proj(x).view(n, hkv, d)
+
+        s, t = layout.num_seqs, layout.max_count
+        qp = x.new_zeros(s, t, h, d)
+        qp[layout.seq_of, layout.index] = q
+        q_pos = torch.zeros(s, t, dtype=torch.long, device=x.device)
+        q_pos[layout.seq_of, layout.index] = layout.positions
+        if layout.cache is not None:
+            assert layout.slots is not None
+            kc, vc = layout.cache.keys[self.layer_idx], layout.cache.values[self.layer_idx]
+            slot_of = layout.slots[layout.seq_of]
+            kc[slot_of, :, layout.positions] = k.to(kc.dtype)
+            vc[slot_of, :, layout.positions] = v.to(vc.dtype)
+            kv_len = layout.offsets + layout.counts
+            tk = int(kv_len.max())
+            keys, values = kc[layout.slots, :, :tk], vc[layout.slots, :, :tk]
+        else:
+            kv_len = layout.counts
+            keys = x.new_zeros(s, t, hkv, d)
+            values = x.new_zeros(s, t, hkv, d)
+            keys[layout.seq_of, layout.index] = k
+            values[layout.seq_of, layout.index] = v
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        qp = qp.transpose(1, 2)
+        if is_batch_invariant():
+            out = ops.attention(
+                qp,
+                keys,
+                values,
+                causal=True,
+                kv_split_size=cfg.kv_split_size,
+                q_positions=q_pos,
+                kv_lengths=kv_len,
+            )
+        else:
+            mask = ops.attention_mask(q_pos, kv_len, keys.shape[2], causal=True)
+            group = h // hkv
+            out = F.scaled_dot_product_attention(
+                qp,
+                keys.repeat_interleave(group, 1),
+                values.repeat_interleave(group, 1),
+                attn_mask=mask[:, None],
+            )
+        out = out.transpose(1, 2)[layout.seq_of, layout.index]  # [N, H, D]
+        return self.o_proj(out.reshape(n, h * d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nn.Module):
+    """Softmax top-k router over SwiGLU experts, plus an optional shared expert.
+
+    Expert weights are stacked [E, out, in] so per-expert GEMMs are plain `F.linear` calls
+    on the rows routed to that expert (each row's result does not depend on which other
+    rows were routed there, under `batch_invariant()`).
+    """
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = nn.Linear(d, e, bias=False)  # the router
+        self.gate_proj = nn.Parameter(torch.empty(e, f, d))
+        self.up_proj = nn.Parameter(torch.empty(e, f, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        self.shared_expert = (
+            SwiGLU(d, cfg.shared_expert_intermediate_size)
+            if cfg.shared_expert_intermediate_size
+            else None
+        )
+
+    def forward(
+        self, x: torch.Tensor, replay_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (output [N, hidden], expert ids used [N, top_k])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.gate.weight.float())  # fp32 router
+        r = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay_ids)
+        k = cfg.num_experts_per_tok
+        flat = r.ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=cfg.num_experts).tolist()
+        slots_out = x.new_zeros(flat.numel(), x.shape[-1])
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            assignment = order[start : start + count]
+            xe = x[assignment // k]
+            ye = F.linear(
+                F.silu(F.linear(xe, self.gate_proj[expert])) * F.linear(xe, self.up_proj[expert]),
+                self.down_proj[expert],
+            )
+            slots_out[assignment] = ye
+            start += count
+        out = combine(slots_out.view(-1, k, x.shape[-1]), r.weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x).float()
+        return out.to(x.dtype), r.ids
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoEBlock(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        layout: TokenLayout,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        replay_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.input_layernorm(x), layout, cos, sin)
+        moe_out, ids = self.mlp(self.post_attention_layernorm(x), replay_ids)
+        return x + moe_out, ids

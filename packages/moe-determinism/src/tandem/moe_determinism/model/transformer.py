@@ -1,0 +1,217 @@
+"""`MoETransformer`: a Qwen3-MoE-like reference model with routing record/replay and a KV cache.
+
+One `forward` serves the inference engine and the trainer:
+
+* padded batch: `input_ids [B, T]` + `lengths [B]` (right padding);
+* packed batch: `input_ids [N]` + `cu_seqlens [S + 1]`;
+* with `cache` and `slots`: the new tokens of each sequence are appended to its cache slot
+  (prefill and one-token decode are the same call);
+* `routing=RouterReplay(traces, mode)` forces the recorded experts (R3 / R2); the routes
+  actually used are always returned, so recording costs nothing extra.
+
+Internally the valid tokens are flattened sequence after sequence, so padding never costs
+matmul work, and row r of every per-token output (logits, route ids) is the r-th valid token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.model.cache import KVCache
+from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.model.layers import DecoderLayer, RMSNorm, TokenLayout, rope_cos_sin
+from tandem.moe_determinism.replay import RouterReplay, RoutingTrace
+
+
+@dataclass
+class MoEOutput:
+    """logits: [B, T, V] for padded input (zeros at padding), [N, V] for packed input.
+    route_ids: [N, layers, top_k] experts used by each valid token, in flat token order.
+    counts: new tokens per sequence (to split the flat outputs)."""
+
+    logits: torch.Tensor
+    route_ids: torch.Tensor
+    counts: list[int]
+    num_experts: int
+
+    def traces(self) -> list[RoutingTrace]:
+        """One `RoutingTrace` per sequence, covering the tokens this pass processed."""
+        out, start = [], 0
+        ids = self.route_ids.cpu().numpy()
+        for n in self.counts:
+            out.append(RoutingTrace.from_ids(ids[start : start + n], self.num_experts))
+            start += n
+        return out
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.activation_checkpointing = False
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, initializer_range) init (norms at 1), optionally from a fixed seed."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def new_cache(self, max_slots: int, max_len: int) -> KVCache:
+        p = next(self.parameters())
+        return KVCache(self.config, max_slots, max_len, dtype=p.dtype, device=p.device)
+
+    # ---- input handling -------------------------------------------------------------
+    def _layout(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        cache: KVCache | None,
+        slots: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, TokenLayout, tuple[torch.Tensor, torch.Tensor] | None]:
+        dev = input_ids.device
+        if cu_seqlens is not None:
+            if input_ids.dim() != 1:
+                raise MoEDeterminismError(
+                    "packed input: input_ids must be 1-D [N] with cu_seqlens [S+1]"
+                )
+            cu = torch.as_tensor(cu_seqlens, dtype=torch.long, device=dev)
+            counts = cu[1:] - cu[:-1]
+            if int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel() or bool((counts < 0).any()):
+                raise MoEDeterminismError(
+                    f"cu_seqlens must start at 0, be non-decreasing and end at N={input_ids.numel()}"
+                )
+            seq_of = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
+            index = torch.arange(input_ids.numel(), device=dev) - cu[:-1][seq_of]
+            tokens, scatter = input_ids, None
+        else:
+            if input_ids.dim() != 2:
+                raise MoEDeterminismError(
+                    "padded input: input_ids must be 2-D [B, T] (or pass cu_seqlens)"
+                )
+            b, t = input_ids.shape
+            counts = (
+                torch.full((b,), t, dtype=torch.long, device=dev)
+                if lengths is None
+                else torch.as_tensor(lengths, dtype=torch.long, device=dev)
+            )
+            if counts.shape != (b,) or bool((counts < 0).any()) or bool((counts > t).any()):
+                raise MoEDeterminismError(f"lengths must be [B]={b} values in [0, {t}]")
+            valid = torch.arange(t, device=dev)[None, :] < counts[:, None]
+            seq_of, index = valid.nonzero(as_tuple=True)
+            tokens, scatter = input_ids[seq_of, index], (seq_of, index)
+        if tokens.numel() and (
+            int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size
+        ):
+            raise MoEDeterminismError(
+                f"token ids must be in [0, vocab_size={self.config.vocab_size})"
+            )
+        if cache is not None:
+            if slots is None:
+                raise MoEDeterminismError(
+                    "with a KV cache, pass slots: the cache row of each sequence"
+                )
+            slots = torch.as_tensor(slots, dtype=torch.long)
+            if slots.shape != counts.shape:
+                raise MoEDeterminismError(
+                    f"slots must have one entry per sequence ({counts.numel()})"
+                )
+            cache.check_room(slots, counts.cpu())
+            offsets = cache.lengths[slots].to(dev)
+        else:
+            offsets = torch.zeros_like(counts)
+        layout = TokenLayout(
+            seq_of=seq_of,
+            index=index,
+            counts=counts,
+            offsets=offsets,
+            positions=offsets[seq_of] + index,
+            cache=cache,
+            slots=slots,
+        )
+        return tokens, layout, scatter
+
+    # ---- forward ----------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor | list[int] | None = None,
+        *,
+        cu_seqlens: torch.Tensor | list[int] | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | list[int] | None = None,
+        routing: RouterReplay | None = None,
+    ) -> MoEOutput:
+        cfg = self.config
+        tokens, layout, scatter = self._layout(input_ids, lengths, cu_seqlens, cache, slots)
+        if routing is not None:
+            routing.bind(
+                layout.counts.tolist(),
+                cfg.num_hidden_layers,
+                cfg.num_experts_per_tok,
+                cfg.num_experts,
+            )
+        use_ckpt = self.activation_checkpointing and torch.is_grad_enabled() and cache is None
+        h = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(layout.positions, cfg.head_dim, cfg.rope_theta)
+        all_ids = []
+        for i, layer in enumerate(self.layers):
+            # Take the layer's routes outside the checkpointed region: the recompute in backward
+            # receives the same tensor as an input and consumes nothing.
+            replay_ids = routing.take(i) if routing is not None else None
+            if use_ckpt:
+                h, ids = checkpoint(layer, h, layout, cos, sin, replay_ids, use_reentrant=False)
+            else:
+                h, ids = layer(h, layout, cos, sin, replay_ids)
+            all_ids.append(ids)
+        if routing is not None:
+            routing.finish()
+        if cache is not None:
+            assert layout.slots is not None
+            cache.lengths[layout.slots] += layout.counts.cpu()
+        logits = self.lm_head(self.norm(h))
+        if scatter is not None:
+            b, t = input_ids.shape
+            full = logits.new_zeros(b, t, logits.shape[-1])
+            full[scatter] = logits
+            logits = full
+        route_ids = (
+            torch.stack(all_ids, dim=1)
+            if all_ids
+            else torch.zeros(tokens.numel(), 0, cfg.num_experts_per_tok, dtype=torch.long)
+        )
+        return MoEOutput(
+            logits=logits,
+            route_ids=route_ids,
+            counts=layout.counts.tolist(),
+            num_experts=cfg.num_experts,
+        )
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position: fp32 log-softmax over the vocabulary, then a gather.
+
+    Under `batch_invariant()` the log-softmax is row-invariant, so the engine's log-prob of a
+    sampled token and the trainer's log-prob of the same token in a batch are the same bits.
+    """
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,122 @@
+"""Batch-invariant matrix multiplication on CPU.
+
+BLAS libraries pick a kernel (and with it the order in which each output element's
+products are summed) from the problem *shape*: MKL's sgemm gives different bits for row i
+of `A[:m] @ B` and of `A @ B` for small m. For a *fixed* shape the kernel and its order are
+fixed, and a row's result does not depend on the values or position of the other rows.
+So every product here is cut into row blocks of exactly `row_block(dtype)` rows (the last
+block zero-padded) and each block is one fixed-shape GEMM. This is the CPU analogue of
+"one tile configuration per dtype, no split-K" on the GPU.
+
+The blocks are computed with the `out=` overloads of torch's GEMMs, which are separate
+operators from the ones `batch_invariant()` overrides, so there is no recursion.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.moe_determinism.errors import MoEDeterminismError
+
+ROW_BLOCK = {torch.float32: 32, torch.float64: 32, torch.bfloat16: 32, torch.float16: 32}
+"""Rows per fixed-shape GEMM. Small enough that a padded decode batch wastes little (small-M
+GEMM is bound by reading the weight), large enough that training-size products run close to
+BLAS speed."""
+
+
+def row_block(dtype: torch.dtype) -> int:
+    return ROW_BLOCK.get(dtype, 32)
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.shape[-1] != b.shape[-2]:
+        raise MoEDeterminismError(
+            f"{what}: inner dimensions differ ({tuple(a.shape)} @ {tuple(b.shape)}); "
+            "the last dim of the first operand must equal the second-to-last of the second"
+        )
+    if a.dtype != b.dtype:
+        raise MoEDeterminismError(
+            f"{what}: dtypes differ ({a.dtype} vs {b.dtype}); cast one operand first"
+        )
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[G, M, K] @ [G, K, N] with each row's reduction order independent of M."""
+    if a.dim() != 3 or b.dim() != 3:
+        raise MoEDeterminismError(f"bmm expects 3-D operands, got {a.dim()}-D and {b.dim()}-D")
+    _check(a, b, "bmm")
+    if a.is_cuda:
+        from tandem.moe_determinism.kernels.dispatch import cuda_bmm
+
+        return cuda_bmm(a, b)
+    g, m, _ = a.shape
+    n = b.shape[-1]
+    r = row_block(a.dtype)
+    blocks = -(-m // r) if m else 0
+    # Each block is written to its own contiguous slab, so every GEMM sees the same strides.
+    out = torch.empty(blocks, g, r, n, dtype=a.dtype, device=a.device)
+    for i in range(blocks):
+        lo, hi = i * r, min(m, (i + 1) * r)
+        chunk = a[:, lo:hi]
+        if hi - lo < r:
+            chunk = F.pad(chunk, (0, 0, 0, r - (hi - lo)))
+        torch.bmm(chunk, b, out=out[i])
+    return out.permute(1, 0, 2, 3).reshape(g, blocks * r, n)[:, :m]
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] @ [K, N], row-invariant."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise MoEDeterminismError(f"mm expects 2-D operands, got {a.dim()}-D and {b.dim()}-D")
+    _check(a, b, "mm")
+    if a.is_cuda:
+        from tandem.moe_determinism.kernels.dispatch import cuda_mm
+
+        return cuda_mm(a, b)
+    m, _ = a.shape
+    n = b.shape[1]
+    r = row_block(a.dtype)
+    blocks = -(-m // r) if m else 0
+    out = torch.empty(blocks * r, n, dtype=a.dtype, device=a.device)
+    for i in range(blocks):
+        lo, hi = i * r, min(m, (i + 1) * r)
+        chunk = a[lo:hi]
+        if hi - lo < r:
+            chunk = F.pad(chunk, (0, 0, 0, r - (hi - lo)))
+        torch.mm(chunk, b, out=out[i * r : (i + 1) * r])
+    return out[:m]
+
+
+def addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1.0, alpha: float = 1.0
+) -> torch.Tensor:
+    """beta * bias + alpha * (a @ b); the element-wise epilogue is invariant by construction."""
+    prod = mm(a, b)
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:
+        return prod
+    return prod + (bias if beta == 1 else bias * beta)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.matmul` semantics for the cases models use: [..., M, K] @ [K, N] or batched."""
+    if b.dim() == 2:
+        lead = a.shape[:-1]
+        return mm(a.reshape(-1, a.shape[-1]), b).reshape(*lead, b.shape[-1])
+    if a.dim() < 3 or b.dim() < 3:
+        raise MoEDeterminismError(
+            f"matmul supports [..., M, K] @ [K, N] and batched 3-D+ operands; got "
+            f"{tuple(a.shape)} @ {tuple(b.shape)}"
+        )
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return bmm(a3, b3).reshape(*batch, a.shape[-2], b.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, row-invariant over every leading dim of x."""
+    out = matmul(x, weight.t())
+    return out + bias if bias is not None else out
