@@ -6,4 +6,50 @@ limits; the reward comes from hidden tests. No torch needed.
 
 from importlib.metadata import version as _version
 
+from tandem.agent_env.config import EnvConfig, SandboxConfig, SandboxLimits
+from tandem.agent_env.env import Env
+from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.grading import GradeResult
+from tandem.agent_env.oracle import OraclePolicy, oracle_script, submit_at_once
+from tandem.agent_env.rollout import Policy, run_episode, run_episodes
+from tandem.agent_env.task import HiddenTests, ReferenceEdit, Task, TaskLimits
+from tandem.agent_env.tasks.generate import generate_tasks
+from tandem.agent_env.tools import ToolCall, tool_schemas
+from tandem.agent_env.trajectory import (
+    Observation,
+    StepRecord,
+    StepResult,
+    Trajectory,
+    read_jsonl,
+    write_jsonl,
+)
+
 __version__ = _version("tandem-agent-env")
+
+__all__ = [
+    "Env",
+    "EnvConfig",
+    "GradeResult",
+    "HiddenTests",
+    "Observation",
+    "OraclePolicy",
+    "Policy",
+    "ReferenceEdit",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxLimits",
+    "StepRecord",
+    "StepResult",
+    "Task",
+    "TaskLimits",
+    "ToolCall",
+    "Trajectory",
+    "generate_tasks",
+    "oracle_script",
+    "read_jsonl",
+    "run_episode",
+    "run_episodes",
+    "submit_at_once",
+    "tool_schemas",
+    "write_jsonl",
+]

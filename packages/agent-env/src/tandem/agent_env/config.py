@@ -15,6 +15,9 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     fork bomb). Files written to the workspace and /tmp live in RAM and count against
     ``memory_bytes``: that, with ``file_size_bytes`` and the size-capped /tmp, is what bounds
     disk use. CPU time, file size and open files are rlimits of every command.
+    ``disk_bytes`` caps what an episode can write to its workspace (a size-capped tmpfs: a
+    full disk fails with ENOSPC); the cgroup's memory limit is ``memory_bytes`` plus the
+    workspace and /tmp caps, since files in RAM are charged to the episode too.
     """
 
     memory_bytes: int = 1024 * MiB
@@ -24,6 +27,7 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     file_size_bytes: int = 256 * MiB
     open_files: int = 1024
     tmp_bytes: int = 256 * MiB
+    disk_bytes: int = 512 * MiB
     output_head_chars: int = 5000
     output_tail_chars: int = 5000
     max_output_bytes: int = 16 * MiB

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import subprocess
 import time
 
 import msgspec
@@ -59,7 +60,8 @@ async def grade(
     if runtime.sandboxed:
         assert runtime.cgroups is not None
         lim = runtime.config.limits
-        cgroup = await asyncio.to_thread(runtime.cgroups.create, lim.memory_bytes, lim.pids)
+        mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
+        cgroup = await asyncio.to_thread(runtime.cgroups.create, mem, lim.pids)
         spec["workspace"] = bw.WORKSPACE
         argv = runtime.base_argv + bw.workspace_args(
             [*session.final_layers(), str(hidden)], None, None
@@ -72,7 +74,7 @@ async def grade(
         spec["workspace"] = str(tree)
         argv = [runtime.config.python, "-I", str(bw.SANDBOX_DIR / "runner.py"), json.dumps(spec)]
     try:
-        proc = await spawn(runtime, argv, cgroup, asyncio.subprocess.PIPE)
+        proc = await spawn(runtime, argv, cgroup, subprocess.PIPE)
     except OSError as e:
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)
@@ -114,8 +116,8 @@ async def grade(
     except (ValueError, asyncio.LimitOverrunError):
         pass
     finally:
-        drainer.cancel()
         await reap(proc, cgroup)
+        drainer.cancel()
         if not runtime.sandboxed:
             await asyncio.to_thread(shutil.rmtree, session.dir / "grade", True)
     seconds = time.monotonic() - t0

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import sys
 import tarfile
 import tempfile
 import threading
@@ -27,6 +28,7 @@ from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import CgroupManager
 from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.task import Task
 
 log = structlog.get_logger()
@@ -62,17 +64,23 @@ class Runtime:
         self._bases: dict[str, Path] = {}
         self._episodes = 0
         self.cgroups: CgroupManager | None = None
+        self.mounts: MountHelper | None = None
         self.bwrap = ""
         try:
             if sandboxed:
                 self.bwrap = bw.find_bwrap(config.bwrap)
                 bw.probe(self.bwrap, config.python, str(self.root))
                 self.cgroups = CgroupManager(config.cgroup_root)
+                self.mounts = MountHelper(sys.executable)
             bw.write_etc(self.root / "etc")
         except BaseException:
             self.close()
             raise
-        self.base_argv = bw.base_args(self.bwrap, config, self.root / "etc") if sandboxed else []
+        self.base_argv = (
+            [*self.mounts.ns_prefix, *bw.base_args(self.bwrap, config, self.root / "etc")]
+            if self.mounts is not None
+            else []
+        )
         atexit.register(self.close)
 
     @classmethod
@@ -127,6 +135,9 @@ class Runtime:
         return d
 
     def close(self) -> None:
+        if self.mounts is not None:
+            self.mounts.close()
+            self.mounts = None
         if self.cgroups is not None:
             self.cgroups.close()
             self.cgroups = None

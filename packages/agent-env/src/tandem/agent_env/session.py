@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import structlog
 from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
+from tandem.agent_env.proc import ChildProcess
 from tandem.agent_env.runtime import Runtime
 
 log = structlog.get_logger()
@@ -51,38 +52,27 @@ def command_env(runtime: Runtime) -> dict[str, str]:
 
 
 async def spawn(
-    runtime: Runtime, argv: list[str], cgroup: EpisodeCgroup | None, stderr: Any, **kw: Any
-) -> asyncio.subprocess.Process:
+    runtime: Runtime,
+    argv: list[str],
+    cgroup: EpisodeCgroup | None,
+    stderr: Any,
+    stdin: bool = False,
+) -> ChildProcess:
     """Start ``argv`` inside the cgroup (via a tiny shell that joins it, then execs)."""
     if cgroup is not None:
         files = cgroup.procs_files
         argv = ["/bin/sh", "-c", _JOIN, "sh", files[0], files[-1], *argv]
-    return await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=kw.pop("stdin", asyncio.subprocess.DEVNULL),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=stderr,
-        limit=_STREAM_LIMIT,
-        start_new_session=True,
-        **kw,
-    )
+    return await ChildProcess.start(argv, stdin=stdin, stderr=stderr, limit=_STREAM_LIMIT)
 
 
-async def reap(proc: asyncio.subprocess.Process, cgroup: EpisodeCgroup | None) -> None:
-    """Kill a sandbox and everything in it, drain its pipes, and wait for it."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+async def reap(proc: ChildProcess, cgroup: EpisodeCgroup | None, remove: bool = True) -> None:
+    """Kill a sandbox and everything in it, and wait for it (and remove its cgroup)."""
+    proc.kill()
     if cgroup is not None:
-        await asyncio.to_thread(cgroup.remove)
-    if proc.stdin is not None:
-        proc.stdin.close()
-    # Keep draining: waiting on a killed child whose pipe nobody reads can hang.
-    for stream in (proc.stdout, proc.stderr):
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(stream.read(), 5)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(proc.wait(), 5)
+        await asyncio.to_thread(cgroup.remove if remove else cgroup.kill_all)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), 10)
+    proc.close()
 
 
 class Session:
@@ -93,9 +83,11 @@ class Session:
         self.base = base
         self.dir = ep_dir
         self.limits = limits
-        self.upper = ep_dir / "upper"
+        self.disk = ep_dir / "disk"
+        self.upper = self.disk / "upper"
+        self._mounted = False
         self.workspace = ep_dir / "ws" if not runtime.sandboxed else Path(bw.WORKSPACE)
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: ChildProcess | None = None
         self.cgroup: EpisodeCgroup | None = None
         self.starts = 0
 
@@ -121,13 +113,16 @@ class Session:
         self.starts += 1
         rt = self.runtime
         if rt.sandboxed:
-            assert rt.cgroups is not None
-            self.upper.mkdir(exist_ok=True)
-            work = self.dir / f"work{self.starts}"
-            work.mkdir()
-            self.cgroup = await asyncio.to_thread(
-                rt.cgroups.create, self.limits.memory_bytes, self.limits.pids
-            )
+            assert rt.cgroups is not None and rt.mounts is not None
+            lim = self.limits
+            if not self._mounted:
+                await rt.mounts.call("mount", str(self.disk), lim.disk_bytes)
+                self._mounted = True
+            work = self.disk / f"work{self.starts}"
+            await rt.mounts.call("mkdir", str(work))
+            if self.cgroup is None:  # kept across restarts: files written stay charged
+                mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
+                self.cgroup = await asyncio.to_thread(rt.cgroups.create, mem, lim.pids)
             argv = rt.base_argv + bw.workspace_args([str(self.base)], str(self.upper), str(work))
             argv += [rt.config.python, "-I", "-S", f"{bw.TOOLS_MOUNT}/supervisor.py"]
         else:
@@ -137,17 +132,17 @@ class Session:
         argv.append(self._supervisor_config())
         errlog = open(self.dir / f"stderr{self.starts}", "wb")  # noqa: SIM115 - closed in stop()
         try:
-            self.proc = await spawn(rt, argv, self.cgroup, errlog, stdin=asyncio.subprocess.PIPE)
+            self.proc = await spawn(rt, argv, self.cgroup, errlog, stdin=True)
         finally:
             errlog.close()
         try:
             hello = await self._read(30.0)
         except SessionLost as e:
             detail = self._stderr_tail()
-            await self.stop()
+            await self.halt()
             raise SessionLost(f"sandbox did not start: {e}; stderr: {detail}") from None
         if not hello.get("ready"):
-            await self.stop()
+            await self.halt()
             raise SessionLost(f"unexpected greeting from the supervisor: {hello}")
 
     def _stderr_tail(self) -> str:
@@ -178,7 +173,7 @@ class Session:
             await self.proc.stdin.drain()
             return await self._read(timeout)
         except (SessionLost, ConnectionError, BrokenPipeError) as e:
-            await self.stop()
+            await self.halt()
             raise SessionLost(str(e) or type(e).__name__) from None
 
     def oom_kills(self) -> int:
@@ -186,6 +181,12 @@ class Session:
 
     def pids_limit_hits(self) -> int:
         return self.cgroup.pids_limit_hits() if self.cgroup else 0
+
+    async def halt(self) -> None:
+        """Kill the sandbox's processes but keep its cgroup (for a restart)."""
+        if self.proc is not None:
+            proc, self.proc = self.proc, None
+            await reap(proc, self.cgroup, remove=False)
 
     async def stop(self) -> None:
         if self.proc is not None:
@@ -198,6 +199,9 @@ class Session:
     async def discard(self) -> None:
         """Stop and delete the episode's files."""
         await self.stop()
+        if self._mounted and self.runtime.mounts is not None:
+            await self.runtime.mounts.call("umount", str(self.disk))
+            self._mounted = False
         await asyncio.to_thread(shutil.rmtree, self.dir, True)
 
     def final_layers(self) -> list[str]:
@@ -208,13 +212,7 @@ class Session:
 
 
 def os_signal_name(code: int) -> str:
-    import signal
-
     try:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
-
-
-__all__ = ["Session", "SessionLost", "os_signal_name", "reap", "spawn"]
-_ = os

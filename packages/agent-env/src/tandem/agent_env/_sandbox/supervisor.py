@@ -86,25 +86,28 @@ def run(req):
     deadline = t0 + timeout
     drain_until = None
     pipe_open = True
-    while pipe_open:
+    while True:
         now = time.monotonic()
-        limit = drain_until if drain_until is not None else deadline
-        if now >= limit:
-            if status is None:
-                timed_out = True
-                _killpg(pid)
+        if status is not None and (not pipe_open or now >= drain_until):
             break
-        for fd, _ in poller.poll(max(1, int((limit - now) * 1000))):
+        if status is None and now >= deadline:
+            timed_out = True
+            _killpg(pid)
+            status = os.waitpid(pid, 0)[1]
+            break
+        limit = deadline if status is None else drain_until
+        for fd, _ in poller.poll(max(0, int((limit - now) * 1000)) + 1):
             if fd == pidfd and status is None:
                 status = os.waitpid(pid, 0)[1]
                 poller.unregister(pidfd)
                 _killpg(pid)  # background jobs of the command go with it
                 drain_until = time.monotonic() + 0.2
-            elif fd == rfd:
+            elif fd == rfd and pipe_open:
                 chunk = os.read(rfd, 1 << 16)
                 if not chunk:
                     pipe_open = False
-                    break
+                    poller.unregister(rfd)
+                    continue
                 total += len(chunk)
                 if len(head) < head_cap:
                     take = head_cap - len(head)
@@ -118,9 +121,6 @@ def run(req):
                     over = True
                     _killpg(pid)
     os.close(rfd)
-    if status is None:
-        _killpg(pid)
-        status = os.waitpid(pid, 0)[1]
     os.close(pidfd)
     if len(tail) > tail_cap:
         del tail[: len(tail) - tail_cap]

@@ -1,0 +1,105 @@
+"""Child processes for the event loop without asyncio's child watcher.
+
+asyncio's default watcher on Python 3.11 starts one thread per child blocked in waitpid and
+races with ``subprocess``'s own reaping when transports are closed early ("Unknown child
+process pid ..."). With hundreds of sandboxes alive, a pidfd per child registered with the
+event loop is cheaper and exact: the loop learns of the exit and we reap it ourselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from typing import IO
+
+
+class ChildProcess:
+    """A subprocess with asyncio stdout/stderr readers, an optional stdin writer, and an
+    awaitable exit status."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop) -> None:
+        self._popen = popen
+        self._loop = loop
+        self.pid = popen.pid
+        self.returncode: int | None = None
+        self._exited = asyncio.Event()
+        self.stdin: asyncio.StreamWriter | None = None
+        self.stdout: asyncio.StreamReader | None = None
+        self.stderr: asyncio.StreamReader | None = None
+        self._transports: list[asyncio.BaseTransport] = []
+        self._pidfd = os.pidfd_open(self.pid)
+        loop.add_reader(self._pidfd, self._on_exit)
+
+    @classmethod
+    async def start(
+        cls,
+        argv: list[str],
+        *,
+        stdin: bool = False,
+        stderr: IO[bytes] | int | None = None,
+        limit: int = 1 << 20,
+    ) -> ChildProcess:
+        loop = asyncio.get_running_loop()
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr if stderr is not None else subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+        self = cls(popen, loop)
+        try:
+            self.stdout = await self._reader(popen.stdout, limit)
+            if stderr == subprocess.PIPE:
+                self.stderr = await self._reader(popen.stderr, limit)
+            if stdin:
+                transport, protocol = await loop.connect_write_pipe(
+                    lambda: asyncio.streams.FlowControlMixin(loop=loop), popen.stdin
+                )
+                self._transports.append(transport)
+                self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    async def _reader(self, pipe: IO[bytes] | None, limit: int) -> asyncio.StreamReader:
+        reader = asyncio.StreamReader(limit=limit, loop=self._loop)
+        transport, _ = await self._loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader, loop=self._loop), pipe
+        )
+        self._transports.append(transport)
+        return reader
+
+    def _on_exit(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
+            return
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._popen.returncode = self.returncode
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._exited.set()
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def close(self) -> None:
+        """Close our ends of the pipes (after the process is gone)."""
+        for t in self._transports:
+            t.close()
+        self._transports = []
