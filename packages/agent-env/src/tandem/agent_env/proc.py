@@ -15,6 +15,8 @@ import signal
 import subprocess
 from typing import IO
 
+_CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
 
 class ChildProcess:
     """A subprocess with asyncio stdout/stderr readers, an optional stdin writer, and an
@@ -50,6 +52,7 @@ class ChildProcess:
             stderr=stderr if stderr is not None else subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
+            env=_CLEAN_ENV,  # a sandbox's init keeps its initial environ readable in /proc
         )
         self = cls(popen, loop)
         try:

@@ -1,0 +1,56 @@
+"""Shared fixtures: tight sandbox limits so hostile commands end fast, and a leak check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tandem.agent_env import EnvConfig, SandboxConfig, SandboxLimits
+from tandem.agent_env.config import MiB
+from tandem.agent_env.runtime import Runtime
+
+LIMITS = SandboxLimits(
+    memory_bytes=256 * MiB,
+    pids=64,
+    cpu_seconds=10,
+    command_timeout_s=2.0,
+    file_size_bytes=32 * MiB,
+    open_files=256,
+    tmp_bytes=32 * MiB,
+    disk_bytes=64 * MiB,
+    max_output_bytes=4 * MiB,
+)
+CONFIG = EnvConfig(sandbox=SandboxConfig(limits=LIMITS), grade_timeout_s=30.0)
+
+
+@pytest.fixture
+def config() -> EnvConfig:
+    return CONFIG
+
+
+def live_episode_state() -> dict[str, list[str]]:
+    """Episode cgroups, episode directories and processes still alive in any runtime."""
+    left: dict[str, list[str]] = {"cgroups": [], "episodes": [], "pids": []}
+    for rt in list(Runtime._shared.values()):
+        if rt.cgroups is not None:
+            for parent in rt.cgroups.parents.values():
+                for d in parent.glob("ep-*"):
+                    left["cgroups"].append(str(d))
+                    procs = (
+                        (d / "cgroup.procs").read_text().split()
+                        if (d / "cgroup.procs").exists()
+                        else []
+                    )
+                    left["pids"] += procs
+        if rt.root is not None and (rt.root / "episodes").exists():
+            left["episodes"] += [str(p) for p in (rt.root / "episodes").iterdir()]
+    return left
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every test must leave no cgroup, process or episode directory behind."""
+    yield
+    left = live_episode_state()
+    assert left == {"cgroups": [], "episodes": [], "pids": []}, left
