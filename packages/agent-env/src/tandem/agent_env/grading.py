@@ -84,6 +84,7 @@ async def grade(
     tests: dict[str, str] = {}
     details: dict[str, str] = {}
     started = done = False
+    fatal = ""
     err_tail = bytearray()
 
     async def drain_stderr() -> None:
@@ -93,7 +94,7 @@ async def grade(
             del err_tail[:-4000]
 
     async def read_results() -> None:
-        nonlocal started, done
+        nonlocal started, done, fatal
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
             with contextlib.suppress(ValueError):
@@ -102,6 +103,8 @@ async def grade(
                     started = True
                 elif msg.get("done"):
                     done = True
+                elif msg.get("fatal"):
+                    fatal = str(msg["fatal"])
                 elif isinstance(msg.get("id"), str) and msg["id"] in ids:
                     tests[msg["id"]] = str(msg.get("status"))
                     if msg.get("detail"):
@@ -122,10 +125,9 @@ async def grade(
             await asyncio.to_thread(shutil.rmtree, session.dir / "grade", True)
     seconds = time.monotonic() - t0
     stderr = err_tail.decode("utf-8", "replace")
-    if not started:
-        return GradeResult(
-            None, False, {}, True, f"grading did not start: {stderr[-800:]}", seconds
-        )
+    if not started or fatal:
+        why = fatal or f"grading did not start: {stderr[-800:]}"
+        return GradeResult(None, False, {}, True, why, seconds)
     for t in ids:
         tests.setdefault(t, "timeout" if timed_out else "error")
     reward, resolved = score(task, tests, partial_credit)

@@ -65,7 +65,11 @@ def run_unittest(ids):
 
 
 def run_pytest(ids):
-    import pytest
+    try:
+        import pytest
+    except ImportError as e:
+        RESULTS.write(json.dumps({"fatal": f"pytest is not importable in the sandbox: {e}"}) + "\n")
+        return
 
     outcomes = {}
     details = {}
@@ -92,10 +96,13 @@ def main():
     sys.path.extend([SPEC["workspace"], *SPEC.get("paths", [])])
     RESULTS.write(json.dumps({"started": True}) + "\n")
     ids = SPEC["ids"]
-    if SPEC.get("framework", "unittest") == "pytest":
+    framework = SPEC.get("framework", "unittest")
+    if framework == "pytest":
         run_pytest(ids)
-    else:
+    elif framework == "unittest":
         run_unittest(ids)
+    else:
+        RESULTS.write(json.dumps({"fatal": f"unknown test framework {framework!r}"}) + "\n")
     RESULTS.write(json.dumps({"done": True}) + "\n")
 
 

@@ -268,7 +268,10 @@ def search(req):
     argv = ["grep", "-rnIE", "--color=never"]
     if req.get("glob"):
         argv += ["--include", req["glob"]]
-    argv += ["-e", req["pattern"], "--", os.path.relpath(real, WS)]
+    argv += ["-e", req["pattern"]]
+    rel = os.path.relpath(real, WS)
+    if rel != ".":  # without an operand grep searches the cwd and prints bare relative paths
+        argv += ["--", rel]
     res = run({"argv": argv, "timeout": req.get("timeout", 30)})
     lines = res["output"].splitlines()
     cap = int(CFG.get("max_matches", 200))
