@@ -63,6 +63,7 @@ class Env:
         self.result: GradeResult | None = None
         self._t0 = 0.0
         self._restarts = 0
+        self._counters = (0, 0)
 
     @staticmethod
     def tool_schemas() -> list[dict[str, Any]]:
@@ -91,6 +92,7 @@ class Env:
         ]
         self.steps, self.turn, self.done, self.termination, self.result = [], 0, False, "", None
         self._restarts = 0
+        self._counters = (0, 0)
         self._t0 = time.monotonic()
         try:
             await self._session.start()
@@ -116,21 +118,25 @@ class Env:
         lim = self._session.limits
         budget = max(1.0, min(lim.command_timeout_s, self._remaining()))
         req["timeout"] = budget
-        oom0, pids0 = self._session.oom_kills(), self._session.pids_limit_hits()
         res = await self._request(req, budget + 15.0)
         if not res.get("ok"):
             return Observation(f"error: {res.get('error')}", True), {}
         code = res["exit_code"]
         notes = []
+        oom = pids = False
+        if code != 0:  # limit counters are only read when something failed (cheap path first)
+            oom0, pids0 = self._counters
+            self._counters = (self._session.oom_kills(), self._session.pids_limit_hits())
+            oom, pids = self._counters[0] > oom0, self._counters[1] > pids0
         if res["timed_out"]:
             notes.append(f"killed: still running after {budget:.0f} s (wall-clock limit)")
         if res["output_limit"]:
             notes.append(f"killed: produced more than {lim.max_output_bytes >> 20} MiB of output")
-        if self._session.oom_kills() > oom0:
+        if oom:
             notes.append(
                 f"out of memory: a process was killed at the {lim.memory_bytes >> 20} MiB limit"
             )
-        if self._session.pids_limit_hits() > pids0:
+        if pids:
             notes.append(f"process limit reached: fork failed at {lim.pids} processes")
         if code < 0 and not res["timed_out"] and not res["output_limit"]:
             notes.append(f"killed by {os_signal_name(code)}")
