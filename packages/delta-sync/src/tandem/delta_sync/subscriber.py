@@ -113,7 +113,12 @@ class Prepared:
 
 
 class Subscriber:
-    """Follows a store. `version` is the version the caller's state is at (None: unknown)."""
+    """Follows a store. `version` is the version the caller's state is at (None: unknown).
+
+    `max_chain` bounds how many step deltas a pull may chain before it prefers the anchor
+    plus one catch-up delta; `cache_dir` keeps verified shards on disk so an interrupted
+    prepare resumes without downloading them again (in memory otherwise).
+    """
 
     def __init__(
         self,
@@ -123,9 +128,11 @@ class Subscriber:
         download_workers: int = 8,
         version: int | None = None,
         cache_dir: str | Path | None = None,
+        max_chain: int = 4,
         progress: Callable[[str, int], None] | None = None,
     ) -> None:
         self.store = store
+        self.max_chain = max_chain
         self.workers = workers or default_workers()
         self.download_workers = download_workers
         self.version = version
@@ -171,7 +178,7 @@ class Subscriber:
                 best_cost = cost + mv.payload_bytes(from_version)
             deltas = [b for b in bases if b is not None and b < v]
             prev = max(deltas, default=None)
-            if prev is None or prev <= from_version:
+            if prev is None or prev <= from_version or len(steps) + 1 >= self.max_chain:
                 break
             cost += mv.payload_bytes(prev)
             if cost >= best_cost:

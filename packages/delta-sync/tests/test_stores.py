@@ -1,0 +1,115 @@
+"""The three stores on loopback: local files, S3 (moto's server), HTTP (our own server)."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tandem.delta_sync import (
+    HttpStore,
+    LocalStore,
+    NotFoundError,
+    Publisher,
+    S3Store,
+    StoreError,
+    Subscriber,
+    open_store,
+)
+
+
+def _contract(store) -> None:
+    assert not store.exists("shards/ab/x.tds")
+    with pytest.raises(NotFoundError):
+        store.get("shards/ab/x.tds")
+    store.put("shards/ab/x.tds", b"one")
+    store.put("shards/ab/x.tds", b"two")  # overwrite is whole-object
+    assert store.exists("shards/ab/x.tds")
+    assert store.get("shards/ab/x.tds") == b"two"
+    store.put("empty", b"")
+    assert store.get("empty") == b""
+    with pytest.raises(StoreError, match="invalid store key"):
+        store.put("../escape", b"x")
+
+
+def test_local_store_contract(local_store) -> None:
+    _contract(local_store)
+
+
+def test_s3_store_contract(s3_store) -> None:
+    _contract(s3_store)
+    # keys live under the prefix
+    objs = s3_store.client.list_objects_v2(Bucket=s3_store.bucket)["Contents"]
+    assert {o["Key"] for o in objs} == {"runs/7/shards/ab/x.tds", "runs/7/empty"}
+
+
+def test_publish_and_pull_through_s3(s3_store, trainer, same_bits) -> None:
+    pub = Publisher(s3_store, anchor_every=3, chunk_bytes=1 << 16, shard_bytes=1 << 16)
+    engine = None
+    for v in range(5):
+        state = trainer.step()
+        pub.publish(v, state)
+        if engine is None:
+            engine = {k: a.copy() for k, a in state.items()}
+            sub = Subscriber(s3_store, version=0)
+        else:
+            sub.pull(engine)
+        same_bits(engine, state)
+
+
+def test_s3_unreachable_endpoint_is_a_clear_error() -> None:
+    store = S3Store(
+        "bucket",
+        endpoint_url="http://127.0.0.1:9",  # discard port: nothing listens
+        retries=1,
+        connect_timeout=1,
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        region_name="us-east-1",
+    )
+    with pytest.raises(StoreError, match=re.escape("s3://bucket/ at http://127.0.0.1:9")):
+        store.get("latest")
+
+
+def test_http_store_reads_what_the_origin_publishes(served, trainer, same_bits) -> None:
+    origin, http, _ = served
+    pub = Publisher(origin, chunk_bytes=1 << 16, shard_bytes=1 << 16)
+    v0 = trainer.step()
+    pub.publish(0, v0)
+    engine = {k: a * 0 for k, a in v0.items()}
+    sub = Subscriber(http)
+    sub.pull(engine)
+    same_bits(engine, v0)
+    v1 = trainer.step()
+    pub.publish(1, v1)
+    assert sub.latest() == 1
+    sub.pull(engine)
+    same_bits(engine, v1)
+    assert not http.exists("shards/00/none.tds")
+    with pytest.raises(StoreError, match="read-only"):
+        http.put("latest", b"x")
+
+
+def test_server_is_read_only_and_confined_to_its_root(served, tmp_path) -> None:
+    origin, http, server = served
+    (tmp_path / "secret").write_text("no")
+    origin.put("latest", b"{}")
+    req = urllib.request.Request(f"{server.url}/latest", data=b"x", method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 405
+    for path in ("/../secret", "/%2e%2e/secret", "/versions/../../secret"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{server.url}{path}", timeout=5)
+        assert e.value.code == 404
+    assert http.get("latest") == b"{}"
+
+
+def test_open_store_understands_urls(tmp_path) -> None:
+    assert isinstance(open_store(str(tmp_path)), LocalStore)
+    assert isinstance(open_store(f"file://{tmp_path}"), LocalStore)
+    assert isinstance(open_store("http://127.0.0.1:1/x"), HttpStore)
+    s3 = open_store("s3://bucket/a/b", endpoint_url="http://127.0.0.1:1")
+    assert isinstance(s3, S3Store) and s3.bucket == "bucket" and s3.prefix == "a/b"
