@@ -14,6 +14,8 @@ from tandem.agent_env.oracle import OraclePolicy, oracle_script, submit_at_once
 from tandem.agent_env.rollout import Policy, run_episode, run_episodes
 from tandem.agent_env.task import HiddenTests, ReferenceEdit, Task, TaskLimits
 from tandem.agent_env.tasks.generate import generate_tasks
+from tandem.agent_env.tasks.stdlib import stdlib_tasks
+from tandem.agent_env.tasks.swebench import load_tasks
 from tandem.agent_env.tools import ToolCall, tool_schemas
 from tandem.agent_env.trajectory import (
     Observation,
@@ -21,6 +23,7 @@ from tandem.agent_env.trajectory import (
     StepResult,
     Trajectory,
     read_jsonl,
+    render_text,
     write_jsonl,
 )
 
@@ -45,10 +48,13 @@ __all__ = [
     "ToolCall",
     "Trajectory",
     "generate_tasks",
+    "load_tasks",
     "oracle_script",
     "read_jsonl",
+    "render_text",
     "run_episode",
     "run_episodes",
+    "stdlib_tasks",
     "submit_at_once",
     "tool_schemas",
     "write_jsonl",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,30 @@ class Trajectory(msgspec.Struct):
     wall_s: float = 0.0
     grade_detail: str = ""
     metadata: dict[str, Any] = {}
+
+
+def render_text(traj: Trajectory) -> str:
+    """A plain-text transcript (for example of the oracle) for mid-training on tool use.
+
+    Tool calls are shown as JSON in a fixed format; a chat template applied by the trainer is
+    the other option, this is the dependency-free one.
+    """
+    out = []
+    for m in traj.messages:
+        role = m["role"]
+        if role == "assistant":
+            if m.get("content"):
+                out.append(f"<assistant>\n{m['content']}")
+            for c in m.get("tool_calls") or []:
+                fn = c["function"]
+                out.append(
+                    f"<tool_call>\n{json.dumps({'name': fn['name'], 'arguments': fn['arguments']}, ensure_ascii=False)}"
+                )
+        elif role == "tool":
+            out.append(f"<tool_result>\n{m['content']}")
+        else:
+            out.append(f"<{role}>\n{m['content']}")
+    return "\n\n".join(out) + "\n"
 
 
 _enc = msgspec.json.Encoder()

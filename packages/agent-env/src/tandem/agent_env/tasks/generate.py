@@ -139,7 +139,7 @@ def _assemble(
     others = rng.sample([t for t in TEMPLATES if t is not target], functions_per_repo - 1)
     order = [target, *others]
     rng.shuffle(order)
-    header = f'"""{module}: small utility functions."""\n\n'
+    header = f'"""{module}: small utility functions."""\n\n\n'
     fixed_mod = header + "\n\n".join(t.source for t in order)
     buggy_mod = header + "\n\n".join(buggy_src if t is target else t.source for t in order)
     old, new = mutate.fix_edit(fixed_mod, buggy_mod)
