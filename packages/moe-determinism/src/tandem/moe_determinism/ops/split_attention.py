@@ -152,7 +152,7 @@ def _attention_reference(
     # Visibility of each (row, key): rows map back to queries by row % Tq.
     query_of_row = torch.arange(rows_p, device=q.device) % tq
     pos = q_positions[:, query_of_row]  # [B, rows_p]
-    visible = attention_mask(pos, kv_lengths, keys_p, causal)  # [B, rows_p, keys_p]
+    visible = attention_mask(pos, kv_lengths, keys_p, causal).expand(b, rows_p, keys_p).clone()
     visible[:, rows:, 0] = True  # padding rows: keep one key so they stay finite
     visible = visible.view(b, 1, n_rb, Q_BLOCK, n_sp, split).permute(0, 1, 2, 4, 3, 5)
     scores = scores.masked_fill(~visible, float("-inf"))
