@@ -59,7 +59,7 @@ def test_load_hf_rejects_other_models(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(MoEDeterminismError, match="qwen3_moe"):
         load_hf(tmp_path)
-    with pytest.raises(MoEDeterminismError, match="config.json"):
+    with pytest.raises(MoEDeterminismError, match=r"config\.json"):
         load_hf(tmp_path / "missing")
 
 

@@ -72,9 +72,9 @@ def test_matmul_family_is_batch_invariant(threads: int, dtype: torch.dtype) -> N
         a = torch.randn(64, k, generator=gen).to(dtype)
         w = torch.randn(n, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype)
-        assert _rows_invariant(lambda t: ops.mm(t, w.t()), a) == []
-        assert _rows_invariant(lambda t: ops.addmm(bias, t, w.t()), a) == []
-        assert _rows_invariant(lambda t: ops.linear(t, w, bias), a) == []
+        assert _rows_invariant(lambda t, w=w: ops.mm(t, w.t()), a) == []
+        assert _rows_invariant(lambda t, w=w, bias=bias: ops.addmm(bias, t, w.t()), a) == []
+        assert _rows_invariant(lambda t, w=w, bias=bias: ops.linear(t, w, bias), a) == []
         a3 = torch.randn(3, 64, k, generator=gen).to(dtype)
         b3 = torch.randn(3, k, n, generator=gen).to(dtype)
         full = ops.bmm(a3, b3)
