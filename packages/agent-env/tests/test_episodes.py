@@ -261,6 +261,8 @@ def test_256_concurrent_episodes_have_no_cross_talk(config: EnvConfig) -> None:
                     command="ls; cat mine-*.txt; grep -c 'a + b' calc.py; echo; grep 'a + b' calc.py",
                 )
             )
+            if i % 16:  # grade a sample: grading sees exactly this episode's final workspace
+                return listing.observation.content, "not graded"
             res = await env.step(call("submit"))
             return listing.observation.content, f"{res.reward}"
         finally:
@@ -277,7 +279,7 @@ def test_256_concurrent_episodes_have_no_cross_talk(config: EnvConfig) -> None:
         assert files == [f"mine-{i}.txt"], (i, listing)
         assert f"episode {i}" in listing
         assert f"a + b + {i} - {i}" in listing
-        assert reward == "1.0"
+        assert reward == ("1.0" if i % 16 == 0 else "not graded")
 
 
 def test_without_a_sandbox_env_refuses_unless_allowed(config: EnvConfig) -> None:
