@@ -15,12 +15,19 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import time
 
 from tandem.agent_env import Env, EnvConfig, ToolCall, generate_tasks
 
 BASH = ToolCall("bash", json.dumps({"command": "echo hi"}))
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process (the host side: event loop, tools, bookkeeping)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 async def bare_latency(n: int) -> list[float]:
@@ -124,24 +131,35 @@ async def main(quick: bool) -> None:
     print(f"{'median latency (ms)':<44}{mb:>16.2f}{ms:>16.2f}{ms - mb:>10.2f}   target <= 5 ms")
     print()
     print(f"{'concurrent episodes':<44}" + "".join(f"{k:>10}" for k in (1, 16, 64, 256)))
-    rates = []
+    rates, cpu = [], []
     for k in (1, 16, 64, 256):
         per = max(4, (200 if quick else 800) // k)
+        c0 = cpu_s()
         rates.append(await commands_per_s(tasks, config, k, per))
+        cpu.append((cpu_s() - c0) / (k * per) * 1e3)  # includes the resets and closes
     print(
         f"{'tool commands/s (bash echo)':<44}"
         + "".join(f"{r:>10.0f}" for r in rates)
         + "   target >= 400 at 256"
     )
+    print(f"{'host-process CPU ms per command':<44}" + "".join(f"{c:>10.2f}" for c in cpu))
     print()
     n = 64 if quick else 256
+    c0 = cpu_s()
     no_grade, _ = await lifecycles_per_s(tasks, config, n, 64, grade=False)
+    c1 = cpu_s()
     with_grade, graded = await lifecycles_per_s(tasks, config, n, 64, grade=True)
+    c2 = cpu_s()
     print(f"{'episode lifecycles/s (64 at a time)':<44}{'no grading':>16}{'with grading':>16}")
     print(
-        f"{'reset + 10 tool calls (+ submit, hidden tests)':<44}{no_grade:>16.1f}{with_grade:>16.1f}   targets >= 50 / >= 20"
+        f"{'reset + 10 tool calls (+ submit, hidden tests)':<44}"
+        f"{no_grade:>16.1f}{with_grade:>16.1f}   targets >= 50 / >= 20"
     )
-    print(f"({n} episodes each; {graded} graded)")
+    print(
+        f"{'host-process CPU ms per lifecycle':<44}"
+        f"{(c1 - c0) / n * 1e3:>16.1f}{(c2 - c1) / n * 1e3:>16.1f}"
+    )
+    print(f"({n} episodes each; {graded} graded; load average now {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class Runtime:
         root = config.work_root or (
             "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         )
+        _sweep_stale(Path(root))
         self.root = Path(tempfile.mkdtemp(prefix=f"tandem-agent-env-{os.getpid()}-", dir=root))
         self._bases: dict[str, Path] = {}
         self._episodes = 0
@@ -146,6 +147,14 @@ class Runtime:
             self.root = None  # type: ignore[assignment]
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
+
+
+def _sweep_stale(root: Path) -> None:
+    """Delete scratch directories left by processes of this package that no longer exist."""
+    for d in root.glob("tandem-agent-env-*-*"):
+        pid = d.name.split("-")[3]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _extract(archive: Path, dest: Path) -> None:
