@@ -171,11 +171,26 @@ def publish_pull_seconds(
     return delta_s, full_s
 
 
-def local_store_factory(root: str) -> Callable[[str], Store]:
-    from tandem.delta_sync.stores.local import LocalStore
+class LocalStoreFactory:
+    """Fresh LocalStore directories under `root`; `cleanup` removes them."""
 
-    counter = iter(range(1 << 30))
-    return lambda tag: LocalStore(os.path.join(root, f"{tag}-{next(counter)}"))
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.made: list[str] = []
+
+    def __call__(self, tag: str) -> Store:
+        from tandem.delta_sync.stores.local import LocalStore
+
+        path = os.path.join(self.root, f"{tag}-{len(self.made)}")
+        self.made.append(path)
+        return LocalStore(path)
+
+    def cleanup(self) -> None:
+        import shutil
+
+        for path in self.made:
+            shutil.rmtree(path, ignore_errors=True)
+        self.made.clear()
 
 
 def moe_shapes(target_bytes: int, d: int = 1024, experts: int = 16) -> dict[str, tuple[int, ...]]:
@@ -294,6 +309,9 @@ def run(
         row.lr = lr
         for name, factory in (stores or {}).items():
             row.stores[name] = publish_pull_seconds(factory, base, new, workers)
+            cleanup = getattr(factory, "cleanup", None)
+            if cleanup is not None:  # keep disk / object-store memory bounded between rows
+                cleanup()
         rows.append(row)
         if echo is not None:
             echo(
@@ -305,4 +323,4 @@ def run(
 
 def default_local_stores() -> tuple[tempfile.TemporaryDirectory, dict[str, Callable[[str], Store]]]:
     tmp = tempfile.TemporaryDirectory(prefix="delta-sync-bench-")
-    return tmp, {"local": local_store_factory(tmp.name)}
+    return tmp, {"local": LocalStoreFactory(tmp.name)}

@@ -129,7 +129,9 @@ def check_targets(
             )
 
 
-def _run(view: TensorView, start: int, stop: int, ops: list[ChunkOp]) -> np.ndarray | None:
+def _run(
+    view: TensorView, start: int, stop: int, ops: list[ChunkOp], keep_undo: bool
+) -> np.ndarray | None:
     """Apply ops to one chunk; returns the previous bits when a raw op makes them unrecoverable.
 
     Dense frames are all decoded before the first write, so a corrupt frame leaves the
@@ -141,7 +143,7 @@ def _run(view: TensorView, start: int, stop: int, ops: list[ChunkOp]) -> np.ndar
         for op in ops
     ]
     saved = None
-    if any(op.rec.mode == RAW for op in ops):
+    if keep_undo and any(op.rec.mode == RAW for op in ops):
         saved = np.array(view.read(start, stop), copy=True)
     for op, vals in zip(ops, dense, strict=True):
         if op.rec.mode == SPARSE:
@@ -190,7 +192,7 @@ def apply_patch(
         view = views[name]
         ops = patch.ops.get((name, c))
         if ops:
-            saved = _run(view, start, stop, ops)
+            saved = _run(view, start, stop, ops, keep_undo=not patch.full)
             done.append((name, c, start, stop, saved))  # list.append is atomic
         return name, c, chunk_digest(view.read(start, stop))
 

@@ -71,4 +71,4 @@ def save(path: str | Path, state: dict[str, np.ndarray]) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name in sorted(state):
-            f.write(np.ascontiguousarray(state[name]).data)
+            f.write(np.ascontiguousarray(state[name]).reshape(-1).view(np.uint8).data)
