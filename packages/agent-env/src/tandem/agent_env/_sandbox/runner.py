@@ -11,10 +11,9 @@ import json
 import os
 import sys
 
-SPEC = json.loads(sys.argv[1])
-RESULTS = os.fdopen(os.dup(1), "w", buffering=1)
-os.dup2(2, 1)
-sys.stdout = sys.stderr
+# Set by main(); importing this module has no side effects.
+SPEC = {}
+RESULTS = sys.stderr
 
 
 def report(test_id, status, detail=""):
@@ -92,8 +91,17 @@ def run_pytest(ids):
 
 
 def main():
+    global SPEC, RESULTS
+    SPEC = json.loads(sys.argv[1])
+    RESULTS = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     os.chdir(SPEC["workspace"])
-    sys.path.extend([SPEC["workspace"], *SPEC.get("paths", [])])
+    # the workspace goes after the standard library (so it cannot shadow it) but before
+    # site-packages; extra paths (e.g. a bound site-packages with pytest) go last
+    site = [i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))]
+    sys.path.insert(site[0] if site else len(sys.path), SPEC["workspace"])
+    sys.path.extend(SPEC.get("paths", []))
     RESULTS.write(json.dumps({"started": True}) + "\n")
     ids = SPEC["ids"]
     framework = SPEC.get("framework", "unittest")

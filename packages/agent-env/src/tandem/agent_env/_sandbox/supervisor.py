@@ -18,10 +18,11 @@ import signal
 import sys
 import time
 
-CFG = json.loads(sys.argv[1])
-WS = os.path.realpath(CFG["workspace"])
-SHELL = CFG.get("shell", "/bin/bash")
-ENV = CFG.get("env", {})
+# Set by main() from the JSON config in argv[1]; importing this module has no side effects.
+CFG = {}
+WS = "/workspace"
+SHELL = "/bin/bash"
+ENV = {}
 
 
 class ToolFailure(Exception):
@@ -295,6 +296,11 @@ OPS = {
 
 
 def main():
+    global CFG, WS, SHELL, ENV
+    CFG = json.loads(sys.argv[1])
+    WS = os.path.realpath(CFG["workspace"])
+    SHELL = CFG.get("shell", "/bin/bash")
+    ENV = CFG.get("env", {})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversized writes fail with EFBIG instead
     _limit(resource.RLIMIT_FSIZE, CFG.get("fsize"))
     _limit(resource.RLIMIT_NOFILE, CFG.get("nofile"))
