@@ -1,0 +1,221 @@
+"""Run configuration of the pipeline: plain msgspec Structs, free of torch.
+
+Every section rejects unknown fields and checks its values in ``__post_init__``, so a bad
+config fails at start with the offending key, long before a model is built. The app composes
+these sections into its command configs and loads them from TOML.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class ConfigValueError(ValueError):
+    """A config value is out of range; the message names the field and the allowed values."""
+
+
+def _require(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise ConfigValueError(f"{field}: {why}")
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Shapes of the reference MoE (Qwen3-MoE field names); the vocabulary is the tokenizer's."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    moe_intermediate_size: int = 192
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    max_position_embeddings: int = 4096
+    kv_split_size: int = 64
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(
+            self.num_attention_heads % max(self.num_key_value_heads, 1) == 0,
+            "num_key_value_heads",
+            "must divide num_attention_heads",
+        )
+        _require(
+            0 < self.num_experts_per_tok <= self.num_experts,
+            "num_experts_per_tok",
+            "must be in [1, num_experts]",
+        )
+
+
+class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which generated tasks are used; training and held-out sets are different seeds."""
+
+    train_seed: int = 1
+    eval_seed: int = 1000
+    kinds: list[str] = msgspec.field(
+        default_factory=lambda: [
+            "wrong_operator",
+            "off_by_one",
+            "wrong_constant",
+            "swapped_arguments",
+            "wrong_variable",
+            "wrong_return",
+        ]
+    )
+    functions_per_repo: int = 1
+    hidden_per_function: int = 6
+
+    def __post_init__(self) -> None:
+        _require(self.train_seed != self.eval_seed, "eval_seed", "must differ from train_seed")
+        _require(bool(self.kinds), "kinds", "must name at least one bug kind")
+        _require(self.functions_per_repo >= 1, "functions_per_repo", "must be >= 1")
+
+
+class EnvSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Episode settings passed to agent-env, plus how observations are shown to the policy."""
+
+    max_turns: int = 6
+    system_prompt: str = "Fix the bug with the tools, run the tests, then submit."
+    max_observation_chars: int = 600
+    allow_unsandboxed: bool = False
+    grade_timeout_s: float = 60.0
+    episode_wall_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        _require(self.max_observation_chars >= 64, "max_observation_chars", "must be >= 64")
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The embedded inference engine: slots, context, sampling and weight updates.
+
+    ``update_mid_rollout``: apply a new policy version between any two decoding steps, even
+    in the middle of a turn (each token is tagged with the version that produced it); when
+    false, only at a step where no turn is being generated (episodes may still span versions).
+    """
+
+    max_slots: int = 32
+    max_len: int = 2048
+    max_new_tokens: int = 192
+    temperature: float = 1.0
+    deterministic: bool = True
+    update_mid_rollout: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_slots >= 1, "max_slots", "must be >= 1")
+        _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        _require(self.max_len > self.max_new_tokens, "max_len", "must exceed max_new_tokens")
+        _require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+
+
+class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The GRPO settings the RL stage exposes (mapped onto `tandem.grpo.GRPOConfig`)."""
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    is_mode: Literal["none", "token_tis", "token_mis", "sequence_mis", "geometric_mis"] = (
+        "token_tis"
+    )
+    is_cap: float = 2.0
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"] = (
+        "constant"
+    )
+    max_tokens: int = 512
+    std_normalize: bool = False
+    kl_coef: float = 0.0
+    micro_batch_size: int = 8
+    max_grad_norm: float = 1.0
+
+
+class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Optimizer and replay of the RL trainer.
+
+    ``replay``: R3 replays the experts the engine used, R2 the trainer's own no-grad pass,
+    ``none`` lets the trainer route freely. ``routing_check_rows``: rows per step re-run
+    without replay to measure routing agreement without it (0 disables the extra pass).
+    """
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.99])
+    replay: Literal["R3", "R2", "none"] = "R3"
+    routing_check_rows: int = 4
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "lr", "must be > 0")
+        _require(len(self.betas) == 2, "betas", "must be two numbers")
+
+
+class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The asynchronous (or synchronous) GRPO stage.
+
+    ``mode``: ``async`` overlaps rollouts and training; ``sync`` alternates them (max_staleness
+    is then 0 by construction). ``max_staleness``: a group produced by policy version v is
+    trained on only while trainer_version - v <= max_staleness. ``rollout_workers``: groups in
+    flight at once. ``max_ahead``: how many trainer steps rollouts may start ahead
+    (default max_staleness + 1, the bound that keeps drops rare).
+    """
+
+    mode: Literal["async", "sync"] = "async"
+    steps: int = 20
+    group_size: int = 4
+    groups_per_step: int = 4
+    max_staleness: int = 1
+    rollout_workers: int = 8
+    max_ahead: int | None = None
+    buffer_capacity: int = 64
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    anchor_every: int = 20
+    weights_store: str = ""
+    eval_tasks: int = 32
+    eval_samples: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "steps", "must be >= 1")
+        _require(self.group_size >= 2, "group_size", "must be >= 2 (GRPO compares samples)")
+        _require(self.groups_per_step >= 1, "groups_per_step", "must be >= 1")
+        _require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        _require(self.rollout_workers >= 1, "rollout_workers", "must be >= 1")
+        _require(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        _require(self.max_ahead is None or self.max_ahead >= 1, "max_ahead", "must be >= 1")
+
+    @property
+    def effective_max_ahead(self) -> int:
+        if self.mode == "sync":
+            return 1
+        return self.max_ahead if self.max_ahead is not None else self.max_staleness + 1
+
+
+class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Next-token training on standard-library code and oracle transcripts.
+
+    ``transcripts``: oracle episodes on generated training tasks (rendered in the chat and
+    tool-call format); ``transcript_fraction``: share of each batch's sequences that are
+    transcripts (the rest are packed code windows of ``window`` tokens);
+    ``transcript_loss``: ``all`` tokens of a transcript or only the ``assistant`` turns.
+    """
+
+    steps: int = 300
+    batch_size: int = 8
+    window: int = 512
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    transcripts: int = 400
+    transcript_fraction: float = 0.75
+    transcript_loss: Literal["all", "assistant"] = "all"
+    code_bytes: int = 4_000_000
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "steps", "must be >= 1")
+        _require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        _require(0 <= self.transcript_fraction <= 1, "transcript_fraction", "must be in [0, 1]")
+        _require(self.lr > 0, "lr", "must be > 0")

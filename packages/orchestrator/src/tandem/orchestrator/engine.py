@@ -1,0 +1,261 @@
+"""The embedded inference engine: continuous batched decoding with a KV cache per episode.
+
+Each episode holds a cache slot for its whole life, so earlier turns are never recomputed:
+a new turn only feeds the tokens not yet seen (the last sampled token, the tool observation
+and the next assistant header). Every `step` runs one forward over all active sequences (a
+prefill of a new turn and a one-token decode are the same call) and samples one token per
+sequence. What comes back is exact: the token ids, the log-prob of each sampled token under
+the policy that sampled it, the policy version that produced it, and the experts every fed
+token was routed to (the routing trace the trainer replays).
+
+Sampling is seeded per episode (a `torch.Generator` of its own, Gumbel-max over the
+vocabulary), so an episode's tokens do not depend on which other episodes share its batch.
+Under ``deterministic`` the forward runs inside `batch_invariant()`, which is what makes
+the engine's log-probs the trainer's log-probs bit for bit.
+
+New weights arrive as a prepared delta-sync version (downloaded and decoded while serving);
+`step` applies it between two decoding steps (the pause), optionally in the middle of
+episodes (``update_mid_rollout``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.moe_determinism import MoETransformer, batch_invariant, token_logprobs
+from tandem.orchestrator.config import EngineConfig
+
+
+class EngineError(RuntimeError):
+    """The engine was asked for something it cannot do (no free slot, context full, ...)."""
+
+
+@dataclass
+class TurnOutput:
+    """What one generation request produced.
+
+    ``routes`` [fed tokens, layers, top_k]: experts of each token fed in this request, in
+    order. ``versions[i]``: policy version whose logits sampled ``tokens[i]``.
+    ``min_version``/``max_version`` cover every forward that touched the sequence in this
+    request (prefill included). ``truncated``: stopped by the token budget, not by ``stop_id``.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routes: np.ndarray
+    min_version: int
+    max_version: int
+    truncated: bool
+
+
+@dataclass
+class _Active:
+    slot: int
+    to_feed: list[int]
+    max_new_tokens: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
+    min_version: int = 1 << 62
+    max_version: int = -1
+
+
+@dataclass
+class EngineStats:
+    """Counters for throughput and weight-update figures."""
+
+    forward_passes: int = 0
+    tokens_fed: int = 0
+    tokens_sampled: int = 0
+    forward_seconds: float = 0.0
+    updates: int = 0
+    pause_seconds: list[float] = field(default_factory=list)
+
+
+class InferenceEngine:
+    """Batched generation over a fixed number of KV-cache slots (not thread-safe for `step`)."""
+
+    def __init__(
+        self, model: MoETransformer, config: EngineConfig, *, stop_id: int, version: int = 0
+    ) -> None:
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.config = config
+        self.stop_id = stop_id
+        self.version = version
+        self.cache = model.new_cache(config.max_slots, config.max_len)
+        self._free = list(range(config.max_slots - 1, -1, -1))
+        self._active: dict[int, _Active] = {}
+        self._incoming: list[_Active] = []
+        self._lock = threading.Lock()
+        self._pending: Any = None  # a delta-sync `Prepared`
+        self._pending_version: int | None = None
+        self.stats = EngineStats()
+        self.state = dict(self.model.state_dict())
+        self.on_apply: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+
+    # -- slots -----------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """A fresh slot for a new episode."""
+        with self._lock:
+            if not self._free:
+                raise EngineError(
+                    f"all {self.config.max_slots} slots are in use; raise engine.max_slots or "
+                    "run fewer episodes at once"
+                )
+            slot = self._free.pop()
+        self.cache.reset(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            if slot in self._active or any(a.slot == slot for a in self._incoming):
+                raise EngineError(f"slot {slot} is still generating")
+            self._free.append(slot)
+
+    def context_length(self, slot: int) -> int:
+        return int(self.cache.lengths[slot])
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(
+        self, slot: int, feed: list[int], generator: torch.Generator, max_new_tokens: int
+    ) -> None:
+        """Queue a turn: feed ``feed`` into ``slot``'s cache, then sample until the stop token."""
+        if not feed:
+            raise EngineError("a turn must feed at least one token")
+        room = self.config.max_len - self.context_length(slot) - len(feed)
+        if room < 1:
+            raise EngineError(
+                f"slot {slot}: {len(feed)} new tokens do not fit in the context "
+                f"({self.context_length(slot)} of {self.config.max_len} used)"
+            )
+        request = _Active(slot, list(feed), max(1, min(max_new_tokens, room)), generator)
+        with self._lock:
+            self._incoming.append(request)
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._active or self._incoming)
+
+    # -- weights ---------------------------------------------------------------------------
+    def stage_update(self, prepared: Any) -> None:
+        """Hand over a prepared version; `step` applies it at the next allowed boundary."""
+        with self._lock:
+            self._pending = prepared
+            self._pending_version = int(prepared.version)
+
+    @property
+    def pending_version(self) -> int | None:
+        return self._pending_version
+
+    def apply_pending(self) -> Any:
+        """Apply a staged version now (the caller guarantees no forward is running)."""
+        with self._lock:
+            prepared, self._pending, self._pending_version = self._pending, None, None
+        if prepared is None:
+            return None
+        report = prepared.apply(self.state)
+        self.version = int(prepared.version)
+        self.stats.updates += 1
+        self.stats.pause_seconds.append(report.apply_seconds)
+        if self.on_apply is not None:
+            self.on_apply(self.version, self.state)
+        return report
+
+    def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy full weights in (start-up and resume)."""
+        with torch.no_grad():
+            for name, tensor in self.state.items():
+                tensor.copy_(state[name])
+        self.version = version
+
+    # -- decoding --------------------------------------------------------------------------
+    def step(self) -> list[tuple[int, TurnOutput]]:
+        """One forward over every active sequence; returns the turns that finished."""
+        with self._lock:
+            may_update = self._pending is not None and (
+                self.config.update_mid_rollout or not self._active
+            )
+        if may_update:
+            self.apply_pending()
+        with self._lock:
+            for req in self._incoming:
+                self._active[req.slot] = req
+            self._incoming.clear()
+            active = list(self._active.values())
+        if not active:
+            return []
+        feeds = [a.to_feed for a in active]
+        flat = torch.tensor([t for f in feeds for t in f], dtype=torch.long)
+        counts = [len(f) for f in feeds]
+        cu = torch.tensor([0, *np.cumsum(counts).tolist()], dtype=torch.long)
+        slots = torch.tensor([a.slot for a in active], dtype=torch.long)
+        t0 = time.perf_counter()
+        with torch.no_grad(), batch_invariant(self.config.deterministic):
+            out = self.model(flat, cu_seqlens=cu, cache=self.cache, slots=slots)
+            last = out.logits[cu[1:] - 1]
+            tokens, logprobs = self._sample(last, active)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.forward_passes += 1
+        self.stats.tokens_fed += int(flat.numel())
+        self.stats.tokens_sampled += len(active)
+        routes = out.route_ids.to(torch.uint8 if out.num_experts <= 256 else torch.int32).numpy()
+        finished: list[tuple[int, TurnOutput]] = []
+        start = 0
+        for a, n, tok, lp in zip(active, counts, tokens, logprobs, strict=True):
+            a.routes.append(routes[start : start + n])
+            start += n
+            a.tokens.append(tok)
+            a.logprobs.append(lp)
+            a.versions.append(self.version)
+            a.min_version = min(a.min_version, self.version)
+            a.max_version = max(a.max_version, self.version)
+            full = self.context_length(a.slot) + 1 >= self.config.max_len
+            if tok == self.stop_id or len(a.tokens) >= a.max_new_tokens or full:
+                finished.append((a.slot, self._finish(a, truncated=tok != self.stop_id)))
+            else:
+                a.to_feed = [tok]
+        return finished
+
+    def _sample(self, logits: torch.Tensor, active: list[_Active]) -> tuple[list[int], list[float]]:
+        temperature = self.config.temperature
+        scaled = logits.float() if temperature in (0.0, 1.0) else logits.float() / temperature
+        if temperature == 0.0:
+            tokens = scaled.argmax(-1)
+        else:
+            noise = torch.stack(
+                [torch.rand(scaled.shape[-1], generator=a.generator) for a in active]
+            )
+            gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
+            tokens = (scaled + gumbel).argmax(-1)
+        lp = token_logprobs(scaled, tokens)
+        return tokens.tolist(), lp.tolist()
+
+    def _finish(self, a: _Active, *, truncated: bool) -> TurnOutput:
+        with self._lock:
+            del self._active[a.slot]
+        return TurnOutput(
+            tokens=a.tokens,
+            logprobs=a.logprobs,
+            versions=a.versions,
+            routes=np.concatenate(a.routes, axis=0),
+            min_version=a.min_version,
+            max_version=a.max_version,
+            truncated=truncated,
+        )

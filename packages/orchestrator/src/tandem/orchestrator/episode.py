@@ -1,0 +1,188 @@
+"""One agent episode driven by the engine: token-in/token-out, every turn in one KV slot.
+
+The episode's token stream is built once and only appended to: the prompt (system + task)
+rendered by `ChatFormat`, then per turn the exact tokens the engine sampled, then the tool
+observation and the next assistant header. History is never re-rendered, so what the trainer
+sees is exactly what the engine saw and produced (re-rendering chat templates is how
+multi-turn RL silently goes off-policy).
+
+The policy's text is parsed into an agent-env tool call; output that is not exactly one
+well-formed call becomes an error observation that costs the turn.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.agent_env import Env, EnvConfig, Task
+from tandem.agent_env import ToolCall as EnvToolCall
+from tandem.orchestrator.chat_format import ChatFormat, ToolCallFormatError
+from tandem.orchestrator.server import EngineServer
+
+FORMAT_ERROR_TOOL = "invalid_tool_call"
+
+
+@dataclass
+class Sample:
+    """One scored trajectory as the trainer needs it.
+
+    ``routes`` [len(tokens) - 1, layers, top_k]: experts of every token but the last (the
+    last token is sampled, never fed, and predicts nothing). ``versions[i]`` is the policy
+    version that sampled token i (-1 for tokens the policy did not generate).
+    """
+
+    task_id: str
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routes: np.ndarray
+    reward: float
+    resolved: bool
+    turns: int
+    termination: str
+    min_version: int
+    max_version: int
+    format_errors: int = 0
+    infra_fault: bool = False
+    wall_s: float = 0.0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def truncate_observation(text: str, max_chars: int) -> str:
+    """Keep the head and the tail of a long observation (what a small context can hold)."""
+    if len(text) <= max_chars:
+        return text
+    keep = max_chars - 40
+    head, tail = text[: keep // 2], text[-(keep - keep // 2) :]
+    return f"{head}\n[... {len(text) - keep} characters cut ...]\n{tail}"
+
+
+def render_observation(chat: ChatFormat, content: str, max_chars: int) -> list[int]:
+    """A tool turn followed by the assistant header (the next generation prompt)."""
+    ids, _ = chat.render_turn({"role": "tool", "content": truncate_observation(content, max_chars)})
+    return ids + chat.header("assistant")
+
+
+def episode_generator(seed: int, *keys: int) -> torch.Generator:
+    """A sampling RNG that depends only on (seed, keys): the same episode, the same draws."""
+    mixed = seed
+    for k in keys:
+        mixed = (mixed * 1_000_003 + k + 0x9E3779B9) % (1 << 62)
+    return torch.Generator().manual_seed(mixed)
+
+
+def to_env_call(chat: ChatFormat, turn: list[int]) -> tuple[EnvToolCall, str | None]:
+    """The agent-env call for a generated turn, or a placeholder and the format error."""
+    try:
+        parsed = chat.parse_assistant(turn)
+    except ToolCallFormatError as e:
+        text = chat.tok.decode(turn, keep_special=False)
+        return EnvToolCall(name=FORMAT_ERROR_TOOL, arguments="{}", content=text or None), str(e)
+    call = parsed.tool_call
+    return (
+        EnvToolCall(
+            name=call.name,
+            arguments=json.dumps(call.arguments, ensure_ascii=False),
+            content=parsed.content or None,
+        ),
+        None,
+    )
+
+
+async def run_episode(
+    server: EngineServer,
+    chat: ChatFormat,
+    task: Task,
+    env_config: EnvConfig,
+    *,
+    max_new_tokens: int,
+    max_observation_chars: int,
+    generator: torch.Generator,
+) -> Sample:
+    """Play ``task`` to the end with the engine's current policy and return the scored sample."""
+    t0 = time.monotonic()
+    env = Env(task, env_config)
+    slot = await server.acquire()
+    engine = server.engine
+    try:
+        await env.reset()
+        prompt, _ = chat.render(env.messages, add_generation_prompt=True)
+        tokens, mask = list(prompt), [0] * len(prompt)
+        logprobs, versions = [0.0] * len(prompt), [-1] * len(prompt)
+        routes: list[np.ndarray] = []
+        feed = list(prompt)
+        lo, hi = 1 << 62, -1
+        format_errors = 0
+        termination = ""
+        while True:
+            out = await server.generate(slot, feed, generator, max_new_tokens)
+            routes.append(out.routes)
+            lo, hi = min(lo, out.min_version), max(hi, out.max_version)
+            tokens += out.tokens
+            mask += [1] * len(out.tokens)
+            logprobs += out.logprobs
+            versions += out.versions
+            call, error = to_env_call(chat, out.tokens)
+            result = await env.step(call)
+            if error is not None:
+                format_errors += 1
+                env.messages[-1]["content"] = f"error: {error}"
+            if result.done:
+                break
+            observation = render_observation(
+                chat, env.messages[-1]["content"], max_observation_chars
+            )
+            closing = [] if out.tokens[-1] == chat.end_id else [chat.end_id]
+            if len(tokens) + len(closing) + len(observation) + 8 >= engine.config.max_len:
+                termination = "context_limit"
+                break
+            # The last sampled token has not been fed yet: it opens the next feed.
+            feed = [out.tokens[-1], *closing, *observation]
+            tokens += closing + observation
+            mask += [0] * (len(closing) + len(observation))
+            logprobs += [0.0] * (len(closing) + len(observation))
+            versions += [-1] * (len(closing) + len(observation))
+        traj = env.trajectory()
+    finally:
+        server.release(slot)
+        await env.close()
+    if termination:
+        reward, resolved, infra = 0.0, False, False
+    else:
+        termination = traj.termination
+        infra = traj.infra_fault or traj.reward is None
+        reward, resolved = float(traj.reward or 0.0), bool(traj.resolved)
+    trace = np.concatenate(routes, axis=0)
+    if trace.shape[0] != len(tokens) - 1:
+        raise RuntimeError(
+            f"routing trace covers {trace.shape[0]} tokens, expected {len(tokens) - 1}"
+        )
+    return Sample(
+        task_id=task.id,
+        tokens=tokens,
+        loss_mask=mask,
+        logprobs=logprobs,
+        versions=versions,
+        routes=trace,
+        reward=reward,
+        resolved=resolved,
+        turns=traj.turns,
+        termination=termination,
+        min_version=lo,
+        max_version=hi,
+        format_errors=format_errors,
+        infra_fault=infra,
+        wall_s=time.monotonic() - t0,
+        messages=traj.messages,
+    )

@@ -1,0 +1,91 @@
+"""pass@k of a policy on a task set, played by the embedded engine in the real environment.
+
+pass@k uses the unbiased estimator of Chen et al. (2021): with n samples of a task of which
+c pass, pass@k = 1 - C(n - c, k) / C(n, k), averaged over tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from math import comb
+
+import msgspec
+
+from tandem.agent_env import EnvConfig, Task
+from tandem.orchestrator.chat_format import ChatFormat
+from tandem.orchestrator.episode import Sample, episode_generator, run_episode
+from tandem.orchestrator.server import EngineServer
+
+
+class EvalResult(msgspec.Struct, frozen=True):
+    tasks: int
+    samples_per_task: int
+    pass_at: dict[int, float]
+    mean_reward: float
+    format_error_rate: float
+    mean_turns: float
+    infra_faults: int
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one task with n samples of which c are correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per task, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def summarize(per_task: Sequence[Sequence[Sample]], ks: Sequence[int]) -> EvalResult:
+    n = len(per_task[0]) if per_task else 0
+    flat = [s for t in per_task for s in t]
+    turns = sum(s.turns for s in flat)
+    return EvalResult(
+        tasks=len(per_task),
+        samples_per_task=n,
+        pass_at={
+            k: sum(pass_at_k(len(t), sum(s.resolved for s in t), k) for t in per_task)
+            / max(len(per_task), 1)
+            for k in ks
+            if k <= n
+        },
+        mean_reward=sum(s.reward for s in flat) / max(len(flat), 1),
+        format_error_rate=sum(s.format_errors for s in flat) / max(turns, 1),
+        mean_turns=turns / max(len(flat), 1),
+        infra_faults=sum(s.infra_fault for s in flat),
+    )
+
+
+async def evaluate(
+    server: EngineServer,
+    chat: ChatFormat,
+    tasks: Sequence[Task],
+    env_config: EnvConfig,
+    *,
+    samples_per_task: int,
+    max_new_tokens: int,
+    max_observation_chars: int,
+    seed: int,
+    ks: Sequence[int] = (1,),
+) -> tuple[EvalResult, list[list[Sample]]]:
+    """Play every task ``samples_per_task`` times (seeded) and score pass@k."""
+
+    async def one(i: int, j: int) -> Sample:
+        return await run_episode(
+            server,
+            chat,
+            tasks[i],
+            env_config,
+            max_new_tokens=max_new_tokens,
+            max_observation_chars=max_observation_chars,
+            generator=episode_generator(seed, 7_777_777, i, j),
+        )
+
+    flat = await asyncio.gather(
+        *(one(i, j) for i in range(len(tasks)) for j in range(samples_per_task))
+    )
+    per_task = [
+        list(flat[i * samples_per_task : (i + 1) * samples_per_task]) for i in range(len(tasks))
+    ]
+    return summarize(per_task, ks), per_task

@@ -1,0 +1,455 @@
+"""The RL stage: rollout workers, a staleness-bounded buffer, the trainer, weight sync.
+
+``async`` mode runs the two production lines at once in one process: rollout workers play
+groups of episodes with the engine (decoding in a worker thread, sandboxed tools on the
+event loop) and put them in the buffer; the trainer takes groups as they complete, steps in
+another thread, publishes the new version through delta-sync, and the engine pulls it and
+applies it between decoding steps. A group produced by version v is trained on only while
+trainer_version - v <= max_staleness; workers start a group only while fewer than
+``max_ahead`` steps' worth of groups are in flight or waiting, which keeps drops rare.
+
+``sync`` mode alternates: play a step's groups with the current weights, train, publish,
+pull, repeat (no overlap, staleness 0).
+
+Groups whose rewards are all equal carry no GRPO signal; they are counted and skipped and the
+trainer waits for more (DAPO's dynamic sampling), so every step learns from
+``groups_per_step`` informative groups.
+
+Checkpoints every ``checkpoint_every`` steps hold model, optimizer, policy version, task
+cursor and RNGs; a run killed at any instant (SIGKILL included) resumes from the last one
+with no repeated or skipped step, on a fresh weight stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from tandem.moe_determinism import MoETransformer, batch_invariant
+from tandem.orchestrator.buffer import Group, StalenessBuffer
+from tandem.orchestrator.chat_format import ChatFormat
+from tandem.orchestrator.checkpoint import CheckpointManager
+from tandem.orchestrator.config import EngineConfig, EnvSettings, RLConfig, TrainerConfig
+from tandem.orchestrator.engine import InferenceEngine
+from tandem.orchestrator.episode import Sample, episode_generator, run_episode
+from tandem.orchestrator.metrics import MetricsLog
+from tandem.orchestrator.policy import clone_model
+from tandem.orchestrator.server import EngineServer
+from tandem.orchestrator.tasks import TaskSource, env_config
+from tandem.orchestrator.trainer import RLTrainer
+from tandem.orchestrator.weights import WeightPublisher, state_for_sync, stream_store
+
+log = structlog.get_logger()
+
+StepCallback = Callable[[int, dict[str, Any]], None]
+
+
+@dataclass
+class RunHooks:
+    """Observers for tests and tools: called with (version, state) on the trainer side after
+    each publish and on the engine side after each applied pull, and with (step, metrics)."""
+
+    on_publish: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+    on_engine_update: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+    on_step: StepCallback | None = None
+    on_group: Callable[[Group[Sample]], None] | None = None
+    reward: Callable[[Sample], float] | None = None
+    """Replaces the environment's reward (wiring tests use it to get non-constant groups)."""
+
+
+@dataclass
+class RunSummary:
+    steps_done: int
+    policy_version: int
+    wall_s: float
+    trajectories: int
+    trainer_busy_s: float
+    trainer_wait_s: float
+    dropped_stale: int
+    filtered_equal: int
+    staleness_histogram: dict[int, int]
+    publish_bytes: list[int] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    pause_s: list[float] = field(default_factory=list)
+    prepare_s: list[float] = field(default_factory=list)
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trainer_idle_fraction(self) -> float:
+        total = self.trainer_busy_s + self.trainer_wait_s
+        return self.trainer_wait_s / total if total > 0 else 0.0
+
+
+class RLRun:
+    """One RL run in ``run_dir`` (resumes from its checkpoints when present)."""
+
+    def __init__(
+        self,
+        policy: MoETransformer,
+        *,
+        rl: RLConfig,
+        trainer: TrainerConfig,
+        engine: EngineConfig,
+        env: EnvSettings,
+        tasks: TaskSource,
+        run_dir: str | Path,
+        seed: int = 0,
+        hooks: RunHooks | None = None,
+        progress: bool = False,
+        max_wall_s: float | None = None,
+    ) -> None:
+        self.policy = policy
+        self.rl, self.trainer_cfg, self.engine_cfg, self.env = rl, trainer, engine, env
+        self.tasks = tasks
+        self.run_dir = Path(run_dir)
+        self.seed = seed
+        self.hooks = hooks or RunHooks()
+        self.progress = progress
+        self.max_wall_s = max_wall_s
+        self.chat = ChatFormat()
+        self.env_config = env_config(env)
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=rl.keep_checkpoints)
+
+    # -- setup -----------------------------------------------------------------------------
+    def _setup(self) -> None:
+        self.trainer = RLTrainer(
+            self.policy, self.trainer_cfg, deterministic=self.engine_cfg.deterministic
+        )
+        self.step, self.cursor, self.stream = 0, 0, 0
+        if self.checkpoints.latest_step() is not None:
+            meta = self.checkpoints.load(model=self.policy, optimizer=self.trainer.grpo.optimizer)
+            self.step, self.cursor = meta.step, meta.task_cursor
+            self.trainer.policy_version = meta.policy_version
+            self.stream = int(meta.extra.get("stream", 0)) + 1
+            log.info(
+                "rl.resumed", step=self.step, policy_version=meta.policy_version, stream=self.stream
+            )
+        engine_model = clone_model(self.policy)
+        self.engine = InferenceEngine(
+            engine_model,
+            self.engine_cfg,
+            stop_id=self.chat.end_id,
+            version=self.trainer.policy_version,
+        )
+        self.publisher = WeightPublisher(
+            stream_store(self.rl.weights_store, self.run_dir, self.stream),
+            anchor_every=self.rl.anchor_every,
+        )
+        self.publisher.publish(self.trainer.policy_version, self.policy)
+        self.subscriber = self.publisher.subscriber(self.trainer.policy_version)
+        self.server = EngineServer(self.engine)
+        max_staleness = 0 if self.rl.mode == "sync" else self.rl.max_staleness
+        self.buffer: StalenessBuffer[Sample] = StalenessBuffer(
+            max_staleness, self.rl.buffer_capacity
+        )
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from_step=self.step)
+        self.filtered = 0
+        self.consumed = 0
+        self.started = 0
+        self.trajectories = 0
+        self.busy_s = self.wait_s = 0.0
+        self._admit = asyncio.Condition()
+        self._published = asyncio.Event()
+
+    # -- rollouts ----------------------------------------------------------------------------
+    async def _play_group(self, index: int) -> Group[Sample] | None:
+        task = self.tasks[index]
+        samples = await asyncio.gather(
+            *(
+                run_episode(
+                    self.server,
+                    self.chat,
+                    task,
+                    self.env_config,
+                    max_new_tokens=self.engine_cfg.max_new_tokens,
+                    max_observation_chars=self.env.max_observation_chars,
+                    generator=episode_generator(self.seed, index, j),
+                )
+                for j in range(self.rl.group_size)
+            )
+        )
+        self.trajectories += len(samples)
+        if self.hooks.reward is not None:
+            for s in samples:
+                s.reward = float(self.hooks.reward(s))
+        if any(s.infra_fault for s in samples):
+            log.warning("rl.group_dropped", reason="infrastructure fault", task=task.id)
+            return None
+        group = Group(samples=list(samples), policy_version=min(s.min_version for s in samples))
+        if self.hooks.on_group is not None:
+            self.hooks.on_group(group)
+        return group
+
+    async def _worker(self) -> None:
+        ahead = self.rl.effective_max_ahead * self.rl.groups_per_step
+        while True:
+            async with self._admit:
+                await self._admit.wait_for(lambda: self.started - self.consumed < ahead)
+                self.started += 1
+                index = self.cursor
+                self.cursor += 1
+            group = await self._play_group(index)
+            if group is None:
+                async with self._admit:
+                    self.started -= 1
+                    self._admit.notify_all()
+                continue
+            await self.buffer.put(group)
+
+    async def _follow(self) -> None:
+        """The engine side of weight sync: pull each newly published version."""
+        while True:
+            await self._published.wait()
+            self._published.clear()
+            await self.server.pull(self.subscriber)
+
+    # -- training ----------------------------------------------------------------------------
+    def _informative(self, group: Group[Sample]) -> bool:
+        rewards = {s.reward for s in group.samples}
+        return len(rewards) > 1
+
+    async def _take_groups(self) -> list[Group[Sample]]:
+        groups: list[Group[Sample]] = []
+        while len(groups) < self.rl.groups_per_step:
+            if self.rl.mode == "sync":
+                need = self.rl.groups_per_step - len(groups)
+                indices = list(range(self.cursor, self.cursor + need))
+                self.cursor += need
+                played = await asyncio.gather(*(self._play_group(i) for i in indices))
+                taken = [g for g in played if g is not None]
+                self.buffer.stats.taken += len(taken)
+                self.buffer.stats.staleness_histogram[0] = (
+                    self.buffer.stats.staleness_histogram.get(0, 0) + len(taken)
+                )
+            else:
+                taken = await self.buffer.take(1, self.trainer.policy_version)
+                async with self._admit:
+                    self.consumed += 1
+                    self._admit.notify_all()
+            for g in taken:
+                if self._informative(g):
+                    groups.append(g)
+                else:
+                    self.filtered += 1
+        return groups
+
+    def _train(self, groups: list[Group[Sample]]) -> tuple[dict[str, Any], Any]:
+        """The trainer step and the publish of its version (runs in a worker thread)."""
+        t0 = time.perf_counter()
+        stats = self.trainer.step([g.samples for g in groups])
+        stats["train_s"] = time.perf_counter() - t0
+        report = None
+        if stats.get("step_applied"):
+            report = self.publisher.publish(self.trainer.policy_version, self.policy)
+            if self.hooks.on_publish is not None:
+                self.hooks.on_publish(report.version, state_for_sync(self.policy))
+        return stats, report
+
+    def _step_metrics(
+        self, groups: list[Group[Sample]], stats: dict[str, Any], report: Any, t_wait: float
+    ) -> dict[str, Any]:
+        samples = [s for g in groups for s in g.samples]
+        tokens = sum(len(s.tokens) for s in samples)
+        bstats = self.buffer.stats
+        es = self.engine.stats
+        publish: dict[str, Any] = {}
+        if report is not None:
+            publish = {
+                "sync_bytes": report.step_bytes,
+                "sync_ratio": report.ratio,
+                "sync_changed_frac": report.changed_fraction,
+                "publish_s": report.seconds,
+            }
+        return {
+            **stats,
+            **publish,
+            "reward": sum(s.reward for s in samples) / len(samples),
+            "pass_rate": sum(s.resolved for s in samples) / len(samples),
+            "format_errors": sum(s.format_errors for s in samples) / len(samples),
+            "turns": sum(s.turns for s in samples) / len(samples),
+            "groups_filtered_equal": self.filtered,
+            "dropped_stale": bstats.dropped_stale,
+            "dropped_fraction": bstats.dropped_fraction,
+            "staleness_histogram": {
+                str(k): v for k, v in sorted(bstats.staleness_histogram.items())
+            },
+            "trainer_tokens_per_s": tokens / max(stats["train_s"], 1e-9),
+            "wait_s": t_wait,
+            "rollout_tokens_sampled": es.tokens_sampled,
+            "engine_version": self.engine.version,
+            "engine_pause_s": es.pause_seconds[-1] if es.pause_seconds else None,
+            "engine_prepare_s": (
+                self.server.prepare_seconds[-1] if self.server.prepare_seconds else None
+            ),
+            "trajectories": self.trajectories,
+        }
+
+    def _checkpoint(self) -> None:
+        self.checkpoints.save(
+            self.step,
+            model=self.policy,
+            optimizer=self.trainer.grpo.optimizer,
+            policy_version=self.trainer.policy_version,
+            task_cursor=self.cursor,
+            extra={"stream": self.stream},
+        )
+
+    async def _run(self) -> RunSummary:
+        t_start = time.perf_counter()
+        serve = asyncio.create_task(self.server.serve())
+        background = [serve]
+        if self.rl.mode == "async":
+            background.append(asyncio.create_task(self._follow()))
+            background += [
+                asyncio.create_task(self._worker()) for _ in range(self.rl.rollout_workers)
+            ]
+        bar = _Progress(self.rl.steps, self.step, enabled=self.progress)
+        last: dict[str, Any] = {}
+        rollout_t0, rollout_tok0 = time.perf_counter(), self.engine.stats.tokens_sampled
+        try:
+            while self.step < self.rl.steps:
+                if self.max_wall_s is not None and time.perf_counter() - t_start > self.max_wall_s:
+                    log.info("rl.wall_limit", step=self.step, seconds=round(self.max_wall_s, 1))
+                    break
+                t0 = time.perf_counter()
+                groups = await self._take_groups_checked(background)
+                t_wait = time.perf_counter() - t0  # the trainer idles while it waits for data
+                stats, report = await asyncio.to_thread(self._train, groups)
+                self.wait_s += t_wait
+                self.busy_s += stats["train_s"]
+                if report is not None and self.rl.mode == "async":
+                    self._published.set()
+                stats = self._step_metrics(groups, stats, report, t_wait)
+                now = time.perf_counter()
+                stats["rollout_tokens_per_s"] = (
+                    self.engine.stats.tokens_sampled - rollout_tok0
+                ) / max(now - rollout_t0, 1e-9)
+                stats["elapsed_s"] = now - t_start
+                if self.rl.mode == "sync" and stats.get("step_applied"):
+                    await self.server.pull(self.subscriber)
+                    while self.engine.version != self.trainer.policy_version:
+                        await asyncio.sleep(0.002)
+                self.metrics.log(self.step, stats)
+                last = stats
+                _log_step(self.step, stats)
+                if self.hooks.on_step is not None:
+                    self.hooks.on_step(self.step, stats)
+                self.step += 1
+                bar.advance(stats)
+                if self.step % self.rl.checkpoint_every == 0 or self.step == self.rl.steps:
+                    self._checkpoint()
+        finally:
+            bar.close()
+            for task in background[1:]:
+                task.cancel()
+            await asyncio.gather(*background[1:], return_exceptions=True)
+            await self.buffer.close()
+            self.server.close()
+            await asyncio.gather(serve, return_exceptions=True)
+            self.metrics.close()
+        es = self.engine.stats
+        return RunSummary(
+            steps_done=self.step,
+            policy_version=self.trainer.policy_version,
+            wall_s=time.perf_counter() - t_start,
+            trajectories=self.trajectories,
+            trainer_busy_s=self.busy_s,
+            trainer_wait_s=self.wait_s,
+            dropped_stale=self.buffer.stats.dropped_stale,
+            filtered_equal=self.filtered,
+            staleness_histogram=dict(self.buffer.stats.staleness_histogram),
+            publish_bytes=[r.step_bytes for r in self.publisher.reports],
+            ratios=[r.ratio for r in self.publisher.reports],
+            pause_s=list(es.pause_seconds),
+            prepare_s=list(self.server.prepare_seconds),
+            last_metrics=last,
+        )
+
+    async def _take_groups_checked(
+        self, background: list[asyncio.Task[Any]]
+    ) -> list[Group[Sample]]:
+        """Take groups, surfacing a crashed engine or worker instead of waiting forever."""
+        take = asyncio.create_task(self._take_groups())
+        while True:
+            done, _ = await asyncio.wait([take, *background], return_when=asyncio.FIRST_COMPLETED)
+            if take in done:
+                return take.result()
+            for task in done:
+                if task.exception() is not None:
+                    take.cancel()
+                    raise task.exception()  # type: ignore[misc]
+            background[:] = [t for t in background if t not in done]
+
+    def run(self) -> RunSummary:
+        """Run (or resume) to ``rl.steps`` steps; returns the run's summary."""
+        with batch_invariant(self.engine_cfg.deterministic):
+            self._setup()
+            if self.hooks.on_engine_update is not None:
+                self.engine.on_apply = self.hooks.on_engine_update
+            return asyncio.run(self._run())
+
+
+def _log_step(step: int, stats: dict[str, Any]) -> None:
+    def r(key: str, nd: int = 3) -> Any:
+        v = stats.get(key)
+        return round(v, nd) if isinstance(v, float) else v
+
+    log.info(
+        "rl.step",
+        step=step,
+        version=stats.get("policy_version"),
+        reward=r("reward"),
+        pass_rate=r("pass_rate"),
+        loss=r("loss", 4),
+        mismatch_max=stats.get("mismatch_max_abs"),
+        routing_free=r("routing_agreement_free", 4),
+        staleness=stats.get("staleness_histogram"),
+        dropped=stats.get("dropped_stale"),
+        filtered=stats.get("groups_filtered_equal"),
+        sync_kb=round(stats["sync_bytes"] / 1024, 1) if stats.get("sync_bytes") else None,
+        train_s=r("train_s", 2),
+        wait_s=r("wait_s", 2),
+    )
+
+
+class _Progress:
+    """A rich progress bar over RL steps (silent when disabled)."""
+
+    def __init__(self, total: int, done: int, *, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("[bold]RL"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=Console(stderr=True),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("rl", total=total, completed=done, info="")
+
+    def advance(self, stats: dict[str, Any]) -> None:
+        if self._bar is not None:
+            info = f"reward {stats.get('reward', 0):.2f} pass {stats.get('pass_rate', 0):.2f}"
+            self._bar.update(self._task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,49 @@
+"""Task sources: generated bug-fix tasks addressed by a cursor, so a resumed run continues.
+
+Task ``i`` of a seed depends only on (seed, i) (agent-env's contract), so the cursor alone
+says which tasks a run has used; training and held-out sets are different seeds.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from tandem.agent_env import EnvConfig, Task, generate_tasks
+from tandem.orchestrator.config import EnvSettings, TaskConfig
+
+
+class TaskSource:
+    """Task number ``i`` of one seed, generated on demand (and cached)."""
+
+    def __init__(self, config: TaskConfig, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        self._one = lru_cache(maxsize=4096)(self._generate)
+
+    def _generate(self, index: int) -> Task:
+        c = self.config
+        return generate_tasks(
+            self.seed,
+            1,
+            start=index,
+            kinds=tuple(c.kinds),
+            functions_per_repo=c.functions_per_repo,
+            hidden_per_function=c.hidden_per_function,
+        )[0]
+
+    def __getitem__(self, index: int) -> Task:
+        return self._one(index)
+
+    def take(self, start: int, n: int) -> list[Task]:
+        return [self[i] for i in range(start, start + n)]
+
+
+def env_config(settings: EnvSettings) -> EnvConfig:
+    """The agent-env episode config for these settings."""
+    return EnvConfig(
+        max_turns=settings.max_turns,
+        system_prompt=settings.system_prompt,
+        allow_unsandboxed=settings.allow_unsandboxed,
+        grade_timeout_s=settings.grade_timeout_s,
+        episode_wall_s=settings.episode_wall_s,
+    )

@@ -1,0 +1,267 @@
+"""The RL trainer: GRPO on scored groups with router replay, and train/rollout agreement checks.
+
+`tandem.grpo.GRPOTrainer` does the update (Dr. GRPO advantages, clipped policy loss,
+truncated importance weights against the rollout log-probs). This module supplies the MoE
+forward hook: the trainer re-scores each trajectory inside `batch_invariant()` with the
+experts the engine recorded (R3), or with its own routes from a no-grad pass (R2), or free.
+
+It also measures what the issue calls train-vs-rollout mismatch: on samples whose every
+token came from the trainer's current version, the trainer's log-probs against the
+engine's (max |Δ|, k3, fraction of differing tokens), and routing agreement of the
+trainer's *own* choice (a no-replay pass) with the engine's recorded experts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tandem.grpo import ForwardOutput, GRPOConfig, GRPOTrainer, RolloutBatch
+from tandem.moe_determinism import (
+    MoETransformer,
+    RouterReplay,
+    RoutingTrace,
+    batch_invariant,
+    compare_logprobs,
+    routing_agreement,
+    token_logprobs,
+)
+from tandem.orchestrator.attention_grad import enable_invariant_attention_grad
+from tandem.orchestrator.config import TrainerConfig
+from tandem.orchestrator.episode import Sample
+
+
+def collate(groups: Sequence[Sequence[Sample]]) -> RolloutBatch:
+    """Right-padded batch of every sample of ``groups`` (one group id per group)."""
+    samples = [s for g in groups for s in g]
+    if not samples:
+        raise ValueError("cannot collate an empty list of groups")
+    b, t = len(samples), max(len(s.tokens) for s in samples)
+    layers, top_k = samples[0].routes.shape[1:]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    attn = torch.zeros(b, t, dtype=torch.bool)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    lps = torch.zeros(b, t, dtype=torch.float32)
+    routes = torch.zeros(b, max(t - 1, 1), layers, top_k, dtype=torch.uint8)
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        ids[i, :n] = torch.tensor(s.tokens)
+        attn[i, :n] = True
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        lps[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+        routes[i, : n - 1] = torch.from_numpy(s.routes.astype(np.uint8))
+    group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], dtype=torch.long)
+    return RolloutBatch(
+        input_ids=ids,
+        loss_mask=mask,
+        rollout_logprobs=lps,
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        group_ids=group_ids,
+        policy_version=torch.tensor([s.min_version for s in samples], dtype=torch.long),
+        attention_mask=attn,
+        extras={
+            "routes": routes,
+            "row": torch.arange(b),
+            "max_version": torch.tensor([s.max_version for s in samples], dtype=torch.long),
+        },
+    )
+
+
+def _traces(routes: torch.Tensor, lengths: torch.Tensor, num_experts: int) -> list[RoutingTrace]:
+    return [
+        RoutingTrace.from_ids(routes[i, : int(n)].numpy(), num_experts)
+        for i, n in enumerate(lengths.tolist())
+    ]
+
+
+def score(
+    model: MoETransformer,
+    batch: RolloutBatch,
+    replay: str,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Log-probs [B, T] of ``batch`` (position 0 is 0) and the routes [N, layers, k] used.
+
+    Only tokens 0..n-2 of a row are fed: the last token predicts nothing, and the engine
+    never fed it either (so it has no recorded route).
+    """
+    ids = batch.input_ids
+    assert batch.attention_mask is not None
+    fed = (batch.attention_mask.sum(1) - 1).clamp_min(0)
+    inputs = ids[:, :-1] if ids.shape[1] > 1 else ids
+    n_exp = model.config.num_experts
+    routing = None
+    if replay == "R3":
+        routing = RouterReplay(_traces(batch.extras["routes"], fed, n_exp), "R3")
+    elif replay == "R2":
+        with torch.no_grad():
+            own = model(inputs, fed)
+        routing = RouterReplay(own.traces(), "R2")
+    out = model(inputs, fed, routing=routing)
+    lp = token_logprobs(out.logits, ids[:, 1:]) if ids.shape[1] > 1 else out.logits[..., 0]
+    lp = F.pad(lp, (1, 0)) if ids.shape[1] > 1 else torch.zeros_like(ids, dtype=torch.float32)
+    return lp, out.route_ids, out.counts
+
+
+class _ReplayForward:
+    """The GRPO forward hook; keeps the detached log-probs it computed for the mismatch check."""
+
+    def __init__(self, replay: str) -> None:
+        self.replay = replay
+        self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
+        lp, _, _ = score(model, micro, self.replay)  # type: ignore[arg-type]
+        self.captured.append((micro.extras["row"], lp.detach()))
+        return ForwardOutput(lp)
+
+
+class RLTrainer:
+    """GRPO updates of an MoE policy with replay, importance correction and agreement checks."""
+
+    def __init__(
+        self,
+        model: MoETransformer,
+        config: TrainerConfig,
+        *,
+        policy_version: int = 0,
+        deterministic: bool = True,
+    ) -> None:
+        from accelerate import Accelerator
+
+        enable_invariant_attention_grad()
+        self.config = config
+        self.deterministic = deterministic
+        self.model = model
+        loss = config.loss
+        self.grpo_config = GRPOConfig(
+            clip_eps_low=loss.clip_eps_low,
+            clip_eps_high=loss.clip_eps_high,
+            is_mode=loss.is_mode,
+            is_cap=loss.is_cap,
+            loss_agg=loss.loss_agg,
+            max_tokens=loss.max_tokens,
+            std_normalize=loss.std_normalize,
+            kl_coef=loss.kl_coef,
+            micro_batch_size=loss.micro_batch_size,
+            max_grad_norm=loss.max_grad_norm,
+        )
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.lr,
+            betas=(config.betas[0], config.betas[1]),
+            weight_decay=config.weight_decay,
+        )
+        self.hook = _ReplayForward(config.replay)
+        self.grpo = GRPOTrainer(
+            model,
+            self.optimizer,
+            self.grpo_config,
+            Accelerator(cpu=not torch.cuda.is_available()),
+            forward_fn=self.hook,
+            policy_version=policy_version,
+        )
+
+    @property
+    def policy_version(self) -> int:
+        return self.grpo.policy_version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.grpo.policy_version = value
+
+    def step(self, groups: Sequence[Sequence[Sample]]) -> dict[str, Any]:
+        """One optimizer step on ``groups``; returns GRPO metrics plus agreement figures."""
+        batch = collate(groups)
+        version = self.policy_version
+        self.hook.captured.clear()
+        same = (batch.policy_version == version) & (batch.extras["max_version"] == version)
+        with batch_invariant(self.deterministic):
+            checks = self._routing_check(batch, same)  # before the update: same weights
+            metrics: dict[str, Any] = dict(self.grpo.step(batch))
+        metrics.update(checks)
+        metrics.update(self._mismatch(batch, same))
+        return {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+            for k, v in metrics.items()
+        }
+
+    def _mismatch(self, batch: RolloutBatch, same: torch.Tensor) -> dict[str, Any]:
+        """Trainer (gradient pass) vs engine log-probs on the samples the update scored."""
+        out: dict[str, Any] = {"same_version_samples": int(same.sum())}
+        rows = [int(r) for rows, _ in self.hook.captured for r in rows.tolist()]
+        lps = [lp for _, lp in self.hook.captured]
+        if rows:
+            trainer_lp = torch.zeros_like(batch.rollout_logprobs)
+            trainer_lp[torch.tensor(rows)] = torch.cat(lps)
+            seen = torch.zeros(batch.num_sequences, dtype=torch.bool)
+            seen[torch.tensor(rows)] = True
+            sel = same & seen
+            if bool(sel.any()):
+                cmp = compare_logprobs(
+                    trainer_lp[sel], batch.rollout_logprobs[sel], batch.loss_mask[sel]
+                )
+                out.update(
+                    mismatch_tokens=cmp.tokens,
+                    mismatch_max_abs=cmp.max_abs_diff,
+                    mismatch_k3=cmp.kl_k3,
+                    mismatch_frac_differ=cmp.frac_tokens_differ,
+                )
+            cmp_all = compare_logprobs(
+                trainer_lp[seen], batch.rollout_logprobs[seen], batch.loss_mask[seen]
+            )
+            out["offpolicy_k3_all"] = cmp_all.kl_k3
+        return out
+
+    def _routing_check(self, batch: RolloutBatch, same: torch.Tensor) -> dict[str, Any]:
+        """A few rows (same-version first) re-scored with and without replay, no gradient."""
+        out: dict[str, Any] = {}
+        n_check = self.config.routing_check_rows
+        if n_check > 0:
+            order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
+            sub = batch.select(order)
+            with torch.no_grad():
+                lp_free, ids_free, counts = score(self.model, sub, "none")
+                _, ids_replay, _ = score(self.model, sub, "R3")
+            recorded = torch.cat([sub.extras["routes"][i, :n].long() for i, n in enumerate(counts)])
+            free = routing_agreement(ids_free, recorded)
+            replayed = routing_agreement(ids_replay, recorded)
+            out.update(
+                routing_agreement_free=free.per_decision,
+                routing_agreement_free_tokens=free.per_token,
+                routing_agreement_replay=replayed.per_decision,
+            )
+            sub_same = same[order]
+            if bool(sub_same.any()):
+                cmp = compare_logprobs(
+                    lp_free[sub_same], sub.rollout_logprobs[sub_same], sub.loss_mask[sub_same]
+                )
+                out["mismatch_max_abs_free"] = cmp.max_abs_diff
+                sel_counts = [c for c, s in zip(counts, sub_same.tolist(), strict=True) if s]
+                starts = np.cumsum([0, *counts])
+                same_ids = torch.cat(
+                    [
+                        ids_free[starts[i] : starts[i] + counts[i]]
+                        for i, s in enumerate(sub_same.tolist())
+                        if s
+                    ]
+                )
+                same_rec = torch.cat(
+                    [
+                        sub.extras["routes"][i, :n].long()
+                        for i, n in enumerate(counts)
+                        if sub_same[i]
+                    ]
+                )
+                if sum(sel_counts):
+                    out["routing_agreement_same_version"] = routing_agreement(
+                        same_ids, same_rec
+                    ).per_decision
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"policy_version": self.policy_version}

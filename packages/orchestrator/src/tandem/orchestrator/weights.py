@@ -1,0 +1,62 @@
+"""Weight flow from the trainer to the engines through delta-sync.
+
+The trainer publishes every policy version into a store (a local directory by default, any
+delta-sync store URL by config); engines follow the same store with a `Subscriber` and pull
+in two phases. A resumed run starts a new *stream* (a fresh prefix with a full anchor):
+versions published after the last checkpoint by the killed process are never re-used, so
+a resumed trainer can publish the same version numbers again without colliding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.delta_sync import LocalStore, Publisher, PublishReport, Subscriber, open_store
+
+
+def stream_store(base: str, run_dir: Path, stream: int) -> Any:
+    """The store of stream ``stream``: ``<base>/stream-N`` (base defaults to the run dir)."""
+    if not base:
+        path = run_dir / "weights" / f"stream-{stream:04d}"
+        path.mkdir(parents=True, exist_ok=True)
+        return LocalStore(str(path))
+    return open_store(f"{base.rstrip('/')}/stream-{stream:04d}")
+
+
+def state_for_sync(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors that define a policy version (names as in the model's state dict)."""
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+class WeightPublisher:
+    """Publishes policy versions of the trainer's model and remembers the figures."""
+
+    def __init__(self, store: Any, *, anchor_every: int) -> None:
+        self.store = store
+        self.publisher = Publisher(store, anchor_every=anchor_every)
+        self.reports: list[PublishReport] = []
+
+    def publish(self, version: int, model: torch.nn.Module) -> PublishReport:
+        report = self.publisher.publish(version, state_for_sync(model))
+        self.reports.append(report)
+        return report
+
+    def subscriber(self, version: int | None) -> Subscriber:
+        return Subscriber(self.store, version=version)
+
+
+def weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit-for-bit equality of two states (compares bit patterns, so NaNs and -0.0 count)."""
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        if not torch.equal(x.contiguous().view(bits), y.contiguous().view(bits)):
+            return False
+    return True
