@@ -221,6 +221,7 @@ def test_filling_the_disk_fails_with_enospc(config: EnvConfig) -> None:
             bash("rm -f f*; echo removed"),
             bash("head -c 100000000 /dev/zero > /tmp/big; echo tmp-end"),
             bash("head -c 100000000 /dev/zero > one-big-file; echo file-end"),
+            bash("echo x > /dev/evil; df --output=size -B1M /dev/shm | tail -1"),
         ],
         config,
     )
@@ -228,6 +229,10 @@ def test_filling_the_disk_fails_with_enospc(config: EnvConfig) -> None:
     assert "removed" in out[1]
     assert "File size limit exceeded" in out[2] or "No space left on device" in out[2]
     assert "File size limit exceeded" in out[3]
+    assert "/dev/evil: Read-only file system" in out[4]
+    assert (
+        int(out[4].splitlines()[1]) == config.sandbox.limits.tmp_bytes >> 20
+    )  # /dev/shm is capped
 
 
 def test_zip_bomb_is_stopped_by_the_file_size_limit(config: EnvConfig) -> None:

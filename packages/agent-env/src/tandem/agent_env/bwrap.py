@@ -71,7 +71,10 @@ def base_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path) -> list[str]:
             raise SandboxError(f"SandboxConfig.ro_binds entry {p!r} does not exist on the host")
         args += ["--ro-bind", p, p]
     args += ["--ro-bind", str(SANDBOX_DIR), TOOLS_MOUNT]
+    # /dev is a tmpfs of its own: cap /dev/shm and make the rest read-only (device nodes
+    # still work), so files can only be written to the capped workspace, /tmp and /dev/shm
     args += ["--dev", "/dev", "--proc", "/proc"]
+    args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/tmp"]
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
