@@ -309,3 +309,32 @@ def test_run_episodes_marks_policy_failures_as_infra_faults(config: EnvConfig) -
 
     (traj,) = asyncio.run(run_episodes(flaky, [ADD_TASK], concurrency=1, config=config))
     assert traj.infra_fault and traj.reward is None and traj.termination == "policy_error"
+
+
+def test_unused_base_layers_are_evicted_beyond_the_cache_size(config: EnvConfig) -> None:
+    from tandem.agent_env.runtime import Runtime
+
+    rt = Runtime.shared(config.sandbox)
+    old, rt.max_cached_bases = rt.max_cached_bases, 2
+    tasks = [msgspec.structs.replace(ADD_TASK, id=f"evict{i}") for i in range(5)]
+
+    async def main() -> tuple[list[str], str]:
+        keep = Env(tasks[0], config)  # stays in use while the others come and go
+        await keep.reset()
+        try:
+            for t in tasks[1:]:
+                env = Env(t, config)
+                await env.reset()
+                await env.close()
+            built = [p.name for p in (rt.root / "bases").iterdir() if not p.name.startswith(".")]
+            r = await keep.step(call("read_file", path="calc.py"))
+            return built, r.observation.content
+        finally:
+            await keep.close()
+
+    try:
+        built, seen = asyncio.run(main())
+    finally:
+        rt.max_cached_bases = old
+    assert len(built) == 2
+    assert "return a - b" in seen  # the base in use was not evicted

@@ -84,7 +84,7 @@ class Env:
         """Start a fresh episode (a new sandbox over the task's base) and return the task."""
         await self.close()
         rt = self._get_runtime()
-        base = rt.base_for(self.task)
+        base = rt.acquire_base(self.task)
         self._session = Session(rt, base, rt.episode_dir(), rt.config.limits)
         self.messages = [
             {"role": "system", "content": self.config.system_prompt or DEFAULT_SYSTEM_PROMPT},

@@ -18,6 +18,7 @@ import tarfile
 import tempfile
 import threading
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import ClassVar
 
@@ -62,7 +63,9 @@ class Runtime:
         )
         _sweep_stale(Path(root))
         self.root = Path(tempfile.mkdtemp(prefix=f"tandem-agent-env-{os.getpid()}-", dir=root))
-        self._bases: dict[str, Path] = {}
+        self._bases: OrderedDict[str, Path] = OrderedDict()
+        self._refs: dict[Path, int] = {}
+        self.max_cached_bases = 512
         self._episodes = 0
         self.cgroups: CgroupManager | None = None
         self.mounts: MountHelper | None = None
@@ -94,17 +97,39 @@ class Runtime:
                 rt = cls._shared[key] = cls(config, sandboxed)
             return rt
 
-    def base_for(self, task: Task) -> Path:
-        """The read-only base layer holding the task's repository (built once per task)."""
+    def acquire_base(self, task: Task) -> Path:
+        """The read-only base layer with the task's repository, built once per task and
+        shared by its episodes; pair with :meth:`release_base`."""
         digest = hashlib.sha256(
             msgspec.json.encode([task.id, task.files, task.repo_path])
         ).hexdigest()[:16]
-        if digest in self._bases:
-            return self._bases[digest]
-        dest = self.root / "bases" / digest
+        path = self._bases.get(digest)
+        if path is None:
+            path = self._build_base(task, digest)
+            self._bases[digest] = path
+        self._bases.move_to_end(digest)
+        self._refs[path] = self._refs.get(path, 0) + 1
+        return path
+
+    def release_base(self, path: Path) -> None:
+        """An episode is done with a base; evict unused bases beyond ``max_cached_bases``."""
+        self._refs[path] = self._refs.get(path, 1) - 1
+        built = [d for d, p in self._bases.items() if p.parent == self.root / "bases"]
+        excess = len(built) - self.max_cached_bases
+        for digest in built:
+            if excess <= 0:
+                break
+            p = self._bases[digest]
+            if self._refs.get(p, 0) <= 0:
+                del self._bases[digest]
+                self._refs.pop(p, None)
+                shutil.rmtree(p, ignore_errors=True)
+                excess -= 1
+
+    def _build_base(self, task: Task, digest: str) -> Path:
         if task.repo_path and os.path.isdir(task.repo_path) and not task.files:
-            self._bases[digest] = Path(task.repo_path).resolve()
-            return self._bases[digest]
+            return Path(task.repo_path).resolve()  # used in place, read-only
+        dest = self.root / "bases" / digest
         tmp = self.root / "bases" / f".{digest}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -112,7 +137,6 @@ class Runtime:
             _extract(Path(task.repo_path), tmp)
         write_tree(tmp, task.files)
         tmp.rename(dest)
-        self._bases[digest] = dest
         return dest
 
     def hidden_layer(self, task: Task, base: Path, into: Path) -> Path:

@@ -90,6 +90,7 @@ class Session:
         self.proc: ChildProcess | None = None
         self.cgroup: EpisodeCgroup | None = None
         self.starts = 0
+        self._released = False
 
     def _supervisor_config(self) -> str:
         lim = self.limits
@@ -203,6 +204,9 @@ class Session:
             await self.runtime.mounts.call("umount", str(self.disk))
             self._mounted = False
         await asyncio.to_thread(shutil.rmtree, self.dir, True)
+        if not self._released:
+            self._released = True
+            self.runtime.release_base(self.base)
 
     def final_layers(self) -> list[str]:
         """The final workspace as overlay layers (bottom to top) or a plain directory."""
