@@ -1,0 +1,107 @@
+"""Group-relative advantages: Dr. GRPO (default), GRPO (std-normalised) and RLOO.
+
+Every sample of a prompt's group is scored against the group itself, so no value model is
+needed. Dr. GRPO (Liu et al., 2025) keeps only the mean baseline: the std division of the
+original GRPO up-weights groups whose rewards barely vary. RLOO (Ahmadian et al., 2024) uses
+the mean of the *other* samples, an unbiased baseline.
+
+Documented edge cases: a group whose rewards are all equal gets advantage 0 in every mode
+(the std division sees 0/(0+eps)); a group of one sample gets advantage 0 (no baseline
+exists); non-finite rewards are rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.grpo.errors import GRPOError
+
+
+def group_index(
+    num_samples: int,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Dense group index in [0, num_groups) for each sample, and the number of groups.
+
+    Exactly one of ``group_size`` (consecutive samples form a group) or ``group_ids``
+    (arbitrary integer ids, in any order) must be given.
+    """
+    if (group_size is None) == (group_ids is None):
+        raise GRPOError("pass exactly one of group_size= (contiguous groups) or group_ids=")
+    if group_size is not None:
+        if group_size < 1 or num_samples % group_size:
+            raise GRPOError(
+                f"{num_samples} samples do not split into groups of {group_size}; "
+                "pass group_ids= for uneven groups"
+            )
+        index = torch.arange(num_samples, device=device) // group_size
+        return index, num_samples // group_size
+    assert group_ids is not None
+    if group_ids.shape != (num_samples,):
+        raise GRPOError(f"group_ids must have shape ({num_samples},), got {tuple(group_ids.shape)}")
+    if group_ids.is_floating_point():
+        raise GRPOError("group_ids must be an integer tensor")
+    unique, index = torch.unique(group_ids, return_inverse=True)
+    return index.to(device), int(unique.numel())
+
+
+def _group_sums(values: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(
+        0, index, values
+    )
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    std_normalize: bool = False,
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-sample advantages [N] (float32, or float64 for float64 rewards) from rewards [N] grouped by prompt.
+
+    - default (Dr. GRPO): ``r_i - mean(group)``
+    - ``leave_one_out`` (RLOO): ``r_i - mean(group without i)`` = ``G/(G-1) (r_i - mean)``
+    - ``std_normalize`` (GRPO): the above divided by ``std(group) + eps`` (unbiased std)
+    """
+    if rewards.dim() != 1:
+        raise GRPOError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
+    rewards = rewards.detach()
+    rewards = rewards if rewards.dtype == torch.float64 else rewards.float()
+    if not torch.isfinite(rewards).all():
+        raise GRPOError("rewards contain inf/NaN; fix the reward function before training")
+    index, num_groups = group_index(rewards.numel(), group_size, group_ids, rewards.device)
+    counts = _group_sums(torch.ones_like(rewards), index, num_groups)
+    mean = _group_sums(rewards, index, num_groups) / counts
+    centred = rewards - mean[index]
+    n = counts[index]
+    singleton = n < 2
+    if leave_one_out:
+        centred = torch.where(
+            singleton, torch.zeros_like(centred), centred * n / (n - 1).clamp(min=1)
+        )
+    if std_normalize:
+        var = _group_sums((rewards - mean[index]) ** 2, index, num_groups) / (counts - 1).clamp(
+            min=1
+        )
+        centred = centred / (var.sqrt()[index] + eps)
+    return torch.where(singleton, torch.zeros_like(centred), centred)
+
+
+def nonconstant_groups(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool [N]: True for samples whose group's rewards are not all equal (DAPO dynamic sampling)."""
+    if rewards.dim() != 1:
+        raise GRPOError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
+    index, num_groups = group_index(rewards.numel(), group_size, group_ids, rewards.device)
+    r = rewards.detach().to(torch.float64)
+    big = torch.full((num_groups,), float("inf"), dtype=r.dtype, device=r.device)
+    low = big.scatter_reduce(0, index, r, reduce="amin")
+    high = (-big).scatter_reduce(0, index, r, reduce="amax")
+    return (high > low)[index]

@@ -1,0 +1,76 @@
+"""Loss aggregation: how per-token losses become one scalar.
+
+The choice decides how much each token's gradient weighs and is where GRPO variants differ:
+
+- ``token-mean``: ``sum_{i,t} l / N_tokens`` (DAPO): every token weighs the same.
+- ``seq-mean-token-mean``: ``mean_i (sum_t l / |y_i|)`` (original GRPO): tokens of short
+  answers weigh more, which biases towards short correct and long wrong answers.
+- ``seq-mean-token-sum``: ``mean_i sum_t l``.
+- ``constant``: ``mean_i (sum_t l / max_tokens)`` (Dr. GRPO): no length normalisation at all.
+
+Sequence means run over the sequences that have at least one loss token, except ``constant``,
+which divides by every sequence (a constant per trajectory is its whole point).
+
+The denominators come from a `LossNormalizer` that may describe a larger batch than the one
+passed in: summing the losses of micro-batches (and of processes) that all use the normaliser
+of the *global* batch gives exactly the loss of the global batch, so the update does not
+depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.grpo.config import LossAggregation
+from tandem.grpo.errors import GRPOError
+from tandem.grpo.numerics import masked_sum
+
+LOSS_AGGREGATIONS: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "constant",
+)
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """Denominators of the aggregation, counted over the whole (global) batch."""
+
+    tokens: float
+    """Loss tokens."""
+    sequences: float
+    """Sequences with at least one loss token."""
+    total_sequences: float
+    """All sequences, including fully masked ones."""
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> LossNormalizer:
+        """The normaliser of a batch on its own (one host sync)."""
+        mask = mask.bool()
+        counts = torch.stack([mask.sum(), mask.any(dim=1).sum()]).tolist()
+        return cls(tokens=counts[0], sequences=counts[1], total_sequences=mask.shape[0])
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggregation,
+    normalizer: LossNormalizer,
+    max_tokens: int,
+) -> torch.Tensor:
+    """Scalar loss from per-token ``values`` [B, T]; positions outside ``mask`` are ignored."""
+    mask = mask.bool()
+    if mode == "token-mean":
+        return masked_sum(values, mask) / max(normalizer.tokens, 1.0)
+    per_seq = masked_sum(values, mask, dim=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(1).clamp(min=1)
+        return per_seq.sum() / max(normalizer.sequences, 1.0)
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / max(normalizer.sequences, 1.0)
+    if mode == "constant":
+        return per_seq.sum() / (float(max_tokens) * max(normalizer.total_sequences, 1.0))
+    raise GRPOError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGGREGATIONS}")

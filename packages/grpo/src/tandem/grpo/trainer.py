@@ -1,0 +1,350 @@
+"""`GRPOTrainer`: one optimizer step per batch of scored rollouts, through accelerate.
+
+A step: rewards (optionally KL-penalised) -> group advantages -> drop all-equal groups (DAPO
+dynamic sampling) -> global loss normaliser (one all-reduce) -> micro-batches: forward hook,
+importance weights, `policy_loss`, backward (gradients synchronised only on the last one)
+-> gradient clipping -> optimizer step -> metrics (two collectives).
+
+Why the update does not depend on the split: every micro-batch loss is a partial sum over the
+*global* normaliser, so the gradients accumulated over micro-batches and summed over processes
+are the gradient of the global-batch loss. DDP averages gradients over processes, so each
+process scales its loss by the number of processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import structlog
+import torch
+
+from tandem.grpo.advantages import group_advantages, nonconstant_groups
+from tandem.grpo.aggregation import LossNormalizer
+from tandem.grpo.batch import ForwardFn, ForwardOutput, RolloutBatch, causal_lm_forward
+from tandem.grpo.config import GRPOConfig
+from tandem.grpo.errors import GRPOError
+from tandem.grpo.importance import importance_weights
+from tandem.grpo.kl import kl_estimate, kl_penalized_rewards
+from tandem.grpo.loss import policy_loss
+from tandem.grpo.metrics import MetricSums
+from tandem.grpo.numerics import as_float
+
+log = structlog.get_logger()
+
+# Token-mean metrics of `policy_loss` / `importance_weights` accumulated as mean x tokens.
+_TOKEN_MEANS = (
+    "clip_frac",
+    "clip_frac_low",
+    "clip_frac_high",
+    "dual_clip_frac",
+    "ratio_mean",
+    "kl",
+    "entropy",
+    "is_weight_mean",
+    "is_clipped_frac",
+    "mismatch_k3",
+    "nonfinite_logprob_frac",
+)
+_MAXES = ("ratio_max", "is_weight_max", "staleness_max")
+
+
+class GRPOTrainer:
+    """Applies GRPO-family updates to ``model`` with ``optimizer``.
+
+    Args:
+        model, optimizer: prepared here with ``accelerator.prepare`` unless the optimizer is
+            already an accelerate ``AcceleratedOptimizer`` (then both are used as given).
+        config: loss, correction and step settings.
+        accelerator: an ``accelerate.Accelerator`` (created with defaults when None). Its
+            ``gradient_accumulation_steps`` must be 1: the trainer micro-batches itself.
+        forward_fn: ``forward_fn(model, micro_batch) -> ForwardOutput | logprobs`` (see
+            `ForwardFn`); defaults to `causal_lm_forward`.
+        lr_scheduler: stepped once after every optimizer step.
+        policy_version: version of the weights held now; incremented by every applied step.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: GRPOConfig,
+        accelerator: Any = None,
+        *,
+        forward_fn: ForwardFn | None = None,
+        lr_scheduler: Any = None,
+        policy_version: int = 0,
+    ) -> None:
+        from accelerate import Accelerator
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        self.accelerator = accelerator if accelerator is not None else Accelerator()
+        if self.accelerator.gradient_accumulation_steps != 1:
+            raise GRPOError(
+                "GRPOTrainer splits batches into micro-batches itself; create the Accelerator "
+                "with gradient_accumulation_steps=1 and set GRPOConfig.micro_batch_size instead"
+            )
+        if isinstance(optimizer, AcceleratedOptimizer):
+            self.model, self.optimizer = model, optimizer
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.config = config
+        self.forward_fn: ForwardFn = forward_fn or functools.partial(
+            causal_lm_forward, entropy_grad=config.entropy_coef > 0
+        )
+        self.lr_scheduler = lr_scheduler
+        self.policy_version = policy_version
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(t, reduction="sum") if self._distributed else t
+
+    def _max(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._distributed:
+            return t
+        return self.accelerator.gather(t[None]).amax(0)
+
+    @property
+    def _distributed(self) -> bool:
+        return self.accelerator.num_processes > 1
+
+    def _advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        cfg = self.config
+        if batch.advantages is not None:
+            adv = as_float(batch.advantages)
+        else:
+            rewards = as_float(batch.rewards)
+            if cfg.kl_coef > 0 and cfg.kl_placement == "reward":
+                if batch.ref_logprobs is None:
+                    raise GRPOError("kl_placement='reward' with kl_coef > 0 needs ref_logprobs")
+                rewards = kl_penalized_rewards(
+                    rewards,
+                    batch.rollout_logprobs,
+                    batch.ref_logprobs,
+                    batch.loss_mask,
+                    cfg.kl_coef,
+                    cfg.kl_estimator,
+                    cfg.log_ratio_clamp,
+                )
+            adv = group_advantages(
+                rewards,
+                group_ids=batch.group_ids,
+                std_normalize=cfg.std_normalize,
+                leave_one_out=cfg.leave_one_out,
+                eps=cfg.std_eps,
+            )
+        if not torch.isfinite(adv).all():
+            raise GRPOError("advantages contain inf/NaN; check rewards and batch.advantages")
+        return adv
+
+    def _forward(self, micro: RolloutBatch) -> ForwardOutput:
+        with self.accelerator.autocast():
+            out = self.forward_fn(self.model, micro)
+        if isinstance(out, torch.Tensor):
+            out = ForwardOutput(out)
+        elif not isinstance(out, ForwardOutput):
+            out = ForwardOutput(*out)
+        if out.logprobs.shape != micro.input_ids.shape:
+            raise GRPOError(
+                f"forward_fn returned log-probs of shape {tuple(out.logprobs.shape)} for "
+                f"input_ids of shape {tuple(micro.input_ids.shape)}; return one log-prob per "
+                "token, aligned with input_ids (position 0 unused)"
+            )
+        if not out.logprobs.requires_grad:
+            raise GRPOError(
+                "forward_fn returned log-probs without gradient; do not detach "
+                "them or run the model under torch.no_grad()"
+            )
+        if self.config.entropy_coef > 0 and (out.entropy is None or not out.entropy.requires_grad):
+            raise GRPOError("entropy_coef > 0 needs forward_fn to return entropy with gradient")
+        return out
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on this process's share of the batch; returns global metrics.
+
+        Each process passes its own rows (whole groups; see `shard_by_group`). Metrics are
+        reduced over processes, so every process returns the same dict.
+        """
+        cfg, acc = self.config, self.accelerator
+        batch.validate()
+        if batch.num_sequences == 0:
+            raise GRPOError("empty batch: every process needs at least one trajectory")
+        batch = batch.to(self.device)
+        adv = self._advantages(batch)
+        if cfg.skip_equal_reward_groups:
+            keep = nonconstant_groups(batch.rewards, group_ids=batch.group_ids)
+        else:
+            keep = torch.ones_like(batch.rewards, dtype=torch.bool)
+        mask = batch.loss_mask
+        kept_mask = mask & keep[:, None]
+
+        counts = torch.stack(
+            [
+                kept_mask.sum(),
+                kept_mask.any(1).sum(),
+                keep.sum(),
+                torch.unique(batch.group_ids).numel() * torch.ones((), device=self.device),
+                torch.unique(batch.group_ids[keep]).numel() * torch.ones((), device=self.device),
+                torch.tensor(batch.num_sequences, device=self.device),
+            ]
+        ).double()
+        tokens, seqs, total_seqs, groups, groups_kept, all_seqs = self._sum(counts).tolist()
+        normalizer = LossNormalizer(tokens=tokens, sequences=seqs, total_sequences=total_seqs)
+
+        sums = MetricSums(self.device)
+        sums.add("reward_sum", batch.rewards.double().sum())
+        staleness = (self.policy_version - batch.policy_version).double()
+        sums.add("staleness_sum", staleness.sum())
+        sums.max("staleness_max", staleness.max())
+
+        self.model.train()
+        if total_seqs == 0:
+            log.warning(
+                "grpo_step_skipped",
+                reason="every group has equal rewards",
+                groups=int(groups),
+                policy_version=self.policy_version,
+            )
+            return self._finish(sums, normalizer, groups, groups_kept, all_seqs, None)
+
+        rows = keep.nonzero().flatten()
+        zero_weight = rows.numel() == 0
+        if zero_weight:  # this process still joins the gradient all-reduce, with zero loss
+            rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        chunks = rows.split(cfg.micro_batch_size)
+        scale = 0.0 if zero_weight else float(acc.num_processes)
+        for i, chunk in enumerate(chunks):
+            sync = i == len(chunks) - 1
+            with nullcontext() if sync else acc.no_sync(self.model):
+                self._micro_step(batch.select(chunk), adv[chunk], normalizer, scale, sums)
+        return self._finish(sums, normalizer, groups, groups_kept, all_seqs, self._apply())
+
+    def _micro_step(
+        self,
+        micro: RolloutBatch,
+        adv: torch.Tensor,
+        normalizer: LossNormalizer,
+        scale: float,
+        sums: MetricSums,
+    ) -> None:
+        cfg = self.config
+        out = self._forward(micro)
+        mask = micro.loss_mask
+        old = micro.old_logprobs if micro.old_logprobs is not None else out.logprobs.detach()
+        weights, is_metrics = importance_weights(
+            as_float(old),
+            as_float(micro.rollout_logprobs),
+            mask,
+            cfg.is_mode,
+            cfg.is_cap,
+            cfg.is_lower,
+            cfg.log_ratio_clamp,
+        )
+        loss, metrics = policy_loss(
+            out.logprobs,
+            old,
+            adv,
+            mask,
+            config=cfg,
+            ref_logprobs=micro.ref_logprobs,
+            is_weights=weights,
+            entropy=out.entropy,
+            normalizer=normalizer,
+        )
+        self.accelerator.backward(loss * scale)
+        if scale == 0.0:
+            return
+        with torch.no_grad():
+            n = metrics["tokens"]
+            sums.add("loss", metrics["loss"])
+            sums.add("pg_loss", metrics["pg_loss"])
+            sums.add("tokens", n)
+            for name in (
+                "clip_frac",
+                "clip_frac_low",
+                "clip_frac_high",
+                "dual_clip_frac",
+                "ratio_mean",
+                "kl",
+                "entropy",
+            ):
+                if name in metrics:
+                    sums.add(name, metrics[name] * n)
+            sums.add("is_weight_mean", is_metrics["is_weight_mean"] * n)
+            sums.add("is_clipped_frac", is_metrics["is_clipped_frac"] * n)
+            sums.add("is_w_sq", torch.where(mask, weights.square(), 0.0).sum())
+            sums.max("ratio_max", metrics["ratio_max"])
+            sums.max("is_weight_max", is_metrics["is_weight_max"])
+            mismatch = kl_estimate(
+                as_float(micro.rollout_logprobs), as_float(old), mask, "k3", cfg.log_ratio_clamp
+            )
+            sums.add("mismatch_k3", torch.where(mask, mismatch, 0.0).sum())
+            sums.add("nonfinite_logprob_frac", (mask & ~torch.isfinite(out.logprobs)).sum())
+            sums.add("adv_abs_sum", adv.abs().sum())
+
+    def _apply(self) -> tuple[float, bool]:
+        """Clip, step and zero the gradients; returns (grad norm, whether the step was applied)."""
+        max_norm = self.config.max_grad_norm or math.inf
+        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        applied = math.isfinite(grad_norm)
+        if applied:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.policy_version += 1
+        else:
+            log.warning(
+                "grpo_step_skipped",
+                reason="non-finite gradient norm from the model",
+                grad_norm=grad_norm,
+                policy_version=self.policy_version,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, applied
+
+    def _finish(
+        self,
+        sums: MetricSums,
+        normalizer: LossNormalizer,
+        groups: float,
+        groups_kept: float,
+        all_seqs: float,
+        applied: tuple[float, bool] | None,
+    ) -> dict[str, float]:
+        sum_names = [
+            "loss",
+            "pg_loss",
+            "tokens",
+            "reward_sum",
+            "staleness_sum",
+            "is_w_sq",
+            "adv_abs_sum",
+            *_TOKEN_MEANS,
+        ]
+        raw = sums.reduce(self._sum, self._max, sum_names, list(_MAXES))
+        n = max(raw["tokens"], 1.0)
+        metrics = {"loss": raw["loss"], "pg_loss": raw["pg_loss"]}
+        metrics.update({name: raw[name] / n for name in _TOKEN_MEANS})
+        w_sum = raw["is_weight_mean"]  # a sum of weights until divided below
+        metrics["is_ess"] = w_sum**2 / (n * raw["is_w_sq"]) if raw["is_w_sq"] > 0 else 0.0
+        metrics.update({name: raw[name] for name in _MAXES})
+        grad_norm, step_applied = applied if applied is not None else (0.0, False)
+        metrics.update(
+            grad_norm=grad_norm,
+            step_applied=float(step_applied),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            tokens=raw["tokens"],
+            sequences=normalizer.total_sequences,
+            groups=groups,
+            groups_kept=groups_kept,
+            reward_mean=raw["reward_sum"] / max(all_seqs, 1.0),
+            advantage_abs_mean=raw["adv_abs_sum"] / max(normalizer.total_sequences, 1.0),
+            staleness_mean=raw["staleness_sum"] / max(all_seqs, 1.0),
+            policy_version=float(self.policy_version),
+        )
+        return metrics
