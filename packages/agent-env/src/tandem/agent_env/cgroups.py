@@ -2,7 +2,7 @@
 
 rlimits cannot stop a fork bomb run by root-in-a-user-namespace, and they count per process,
 not per sandbox: a pids cgroup and a memory cgroup per episode can. Each process of tandem
-gets one parent group per hierarchy (``tandem-agent-env-<pid>``) and one child per episode;
+gets one parent group per hierarchy (``tandem-agent-env-<pid>-<tag>``) and one child per episode;
 both are removed on close, and parents left by a dead process are swept on start.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -125,12 +126,13 @@ class CgroupManager:
     """Creates episode cgroups under a per-process parent in each needed hierarchy."""
 
     def __init__(self, cgroup_root: str = "") -> None:
+        self._tag = secrets.token_hex(4)  # several managers may live in one process
         self.version, bases = self._discover(cgroup_root)
         self._sweep(bases)
         self.parents: dict[str, Path] = {}
         try:
             for ctrl, base in bases.items():
-                parent = base / f"{_PREFIX}{os.getpid()}"
+                parent = base / f"{_PREFIX}{os.getpid()}-{self._tag}"
                 parent.mkdir(exist_ok=True)
                 self.parents[ctrl] = parent
             if self.version == 2:
@@ -175,9 +177,10 @@ class CgroupManager:
     @staticmethod
     def _enable_v2(parent: Path) -> None:
         wanted = {"pids", "memory"}
-        have = set((parent / "cgroup.subtree_control").read_text().split())
+        ctl = parent / "cgroup.subtree_control"
+        have = set(ctl.read_text().split()) if ctl.exists() else set()
         if not wanted <= have:
-            (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in wanted))
+            ctl.write_text(" ".join(f"+{c}" for c in sorted(wanted)))
 
     @staticmethod
     def _sweep(bases: dict[str, Path]) -> None:
@@ -185,7 +188,7 @@ class CgroupManager:
         for base in bases.values():
             with contextlib.suppress(OSError):
                 for d in base.glob(f"{_PREFIX}*"):
-                    pid = d.name.removeprefix(_PREFIX)
+                    pid = d.name.removeprefix(_PREFIX).split("-")[0]
                     if not pid.isdigit() or Path(f"/proc/{pid}").exists():
                         continue
                     for child in d.iterdir():

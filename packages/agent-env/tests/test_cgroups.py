@@ -1,0 +1,55 @@
+"""cgroup handling: v2 files written for a delegated subtree, counters parsed, v1 for real."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tandem.agent_env.cgroups import CgroupManager, EpisodeCgroup
+from tandem.agent_env.errors import SandboxError
+
+
+def test_v2_delegated_subtree_gets_limits_and_controllers(tmp_path: Path) -> None:
+    """A directory shaped like a delegated cgroup v2 subtree (the kernel would create the
+    interface files; here they are plain files, so only what tandem writes is checked)."""
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    mgr = CgroupManager(cgroup_root=str(tmp_path))
+    (parent,) = mgr.parents.values()
+    assert mgr.version == 2 and parent.parent == tmp_path
+    assert parent.name.startswith(f"tandem-agent-env-{os.getpid()}-")
+    assert set((parent / "cgroup.subtree_control").read_text().split()) == {"+pids", "+memory"}
+    cg = mgr.create(memory_bytes=300 << 20, pids=77)
+    d = cg.dirs[""]
+    assert (d / "memory.max").read_text() == str(300 << 20)
+    assert (d / "memory.swap.max").read_text() == "0"
+    assert (d / "pids.max").read_text() == "77"
+    assert cg.procs_files == [str(d / "cgroup.procs")]
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n")
+    (d / "pids.events").write_text("max 13\n")
+    assert cg.oom_kills() == 2 and cg.pids_limit_hits() == 13
+
+
+def test_cgroup_root_that_is_not_v2_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SandboxError, match="not a cgroup v2 directory"):
+        CgroupManager(cgroup_root=str(tmp_path))
+
+
+@pytest.mark.skipif(
+    not Path("/sys/fs/cgroup/pids/cgroup.procs").exists(), reason="needs cgroup v1 pids"
+)
+def test_v1_episode_cgroup_limits_and_removal() -> None:
+    mgr = CgroupManager()
+    parents = list(mgr.parents.values())
+    try:
+        cg = mgr.create(memory_bytes=64 << 20, pids=9)
+        assert isinstance(cg, EpisodeCgroup) and cg.version == 1
+        assert (cg.dirs["pids"] / "pids.max").read_text().strip() == "9"
+        assert int((cg.dirs["memory"] / "memory.limit_in_bytes").read_text()) == 64 << 20
+        assert cg.pids() == [] and cg.oom_kills() == 0
+        cg.remove()
+        assert not any(d.exists() for d in cg.dirs.values())
+    finally:
+        mgr.close()
+    assert parents and not any(p.exists() for p in parents)
