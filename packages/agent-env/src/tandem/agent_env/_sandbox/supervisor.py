@@ -197,6 +197,8 @@ def read_file(req):
         out.append(line)
     if not lines:
         return {"output": "(empty file)"}
+    if end < start:
+        raise ToolFailure(f"end_line {end} is before start_line {start}")
     if start > len(lines):
         raise ToolFailure(f"start_line {start} is past the end ({len(lines)} lines)")
     return {"output": "\n".join(out)}
@@ -273,7 +275,7 @@ def search(req):
     rel = os.path.relpath(real, WS)
     if rel != ".":  # without an operand grep searches the cwd and prints bare relative paths
         argv += ["--", rel]
-    res = run({"argv": argv, "timeout": req.get("timeout", 30)})
+    res = run({"argv": argv, "timeout": req.get("timeout", 20)})  # the host waits 30 s
     lines = res["output"].splitlines()
     cap = int(CFG.get("max_matches", 200))
     if res["exit_code"] == 1 and not lines:
