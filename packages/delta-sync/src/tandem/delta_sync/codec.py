@@ -172,12 +172,20 @@ def encode_dense(chunk: int, values: np.ndarray, mode: int, level: int) -> Encod
 
 
 def encode_chunk(
-    new: TensorView, base: TensorView | None, chunk: int, chunk_elems: int, level: int
+    new: TensorView,
+    base: TensorView | None,
+    chunk: int,
+    chunk_elems: int,
+    level: int,
+    *,
+    advance_base: bool = False,
 ) -> tuple[EncodedChunk | None, int]:
     """(smallest encoding of chunk `chunk` of `new` against `base`, changed elements).
 
     The encoding is None for an unchanged chunk. Without a base (an anchor) the chunk is
-    stored raw.
+    stored raw. With `advance_base`, the base chunk is then overwritten with the new bits
+    (only the changed elements when they are few), so a publisher's copy of the previous
+    version becomes the new one without copying the whole model every step.
     """
     start = chunk * chunk_elems
     stop = min(start + chunk_elems, new.numel)
@@ -189,7 +197,11 @@ def encode_chunk(
         return None, 0
     best: EncodedChunk | None = None
     if k <= SPARSE_MAX_FRACTION * n:
-        best = encode_sparse(chunk, idx, base.gather(start, idx), new.gather(start, idx), level)
+        changed_vals = new.gather(start, idx)
+        best = encode_sparse(chunk, idx, base.gather(start, idx), changed_vals, level)
+        if advance_base and k < XOR_MIN_FRACTION * n:
+            base.scatter(start, idx, changed_vals)
+            return best, k
     if k >= XOR_MIN_FRACTION * n:
         new_vals = new.read(start, stop)
         xor = encode_dense(chunk, new_vals ^ base.read(start, stop), XOR, level)
@@ -198,6 +210,8 @@ def encode_chunk(
         raw = encode_dense(chunk, new_vals, RAW, level)
         if raw.nbytes < best.nbytes:
             best = raw
+        if advance_base:
+            base.write(start, new_vals)
     assert best is not None
     return best, k
 

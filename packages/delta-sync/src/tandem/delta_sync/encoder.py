@@ -62,9 +62,14 @@ def encode_state(
     shard_bytes: int,
     on_shard: Callable[[bytes], None],
     hash_new: bool = True,
+    advance_base: bool = False,
     on_chunk: Callable[[int], None] | None = None,
 ) -> EncodeStats:
-    """Encode `new` against `base` (None: in full), handing finished shards to on_shard."""
+    """Encode `new` against `base` (None: in full), handing finished shards to on_shard.
+
+    With `advance_base`, `base` (which the caller must own) is turned into `new` chunk by
+    chunk as it is encoded; if encoding fails midway it holds a mix and must be discarded.
+    """
     if base is not None:
         check_same_layout(new, base)
     stats = EncodeStats()
@@ -79,7 +84,9 @@ def encode_state(
     def work(task: tuple[str, int, int]) -> tuple[str, int, EncodedChunk | None, int, bytes]:
         name, c, ce = task
         view = new[name]
-        enc, changed = encode_chunk(view, None if base is None else base[name], c, ce, level)
+        enc, changed = encode_chunk(
+            view, None if base is None else base[name], c, ce, level, advance_base=advance_base
+        )
         digest = b""
         if hash_new:
             digest = chunk_digest(view.read(c * ce, min((c + 1) * ce, view.numel)))

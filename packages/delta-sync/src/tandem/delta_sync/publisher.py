@@ -115,11 +115,14 @@ class Publisher:
         self._prev = {n: view_of(n, a) for n, a in sub.materialize(latest.version).items()}
         self._prev_manifest = m
         if m.anchor_version == m.version:
-            self._anchor, self._anchor_manifest = self._prev, m
-        elif self.catchup:
-            arrays = sub.materialize(m.anchor_version)
-            self._anchor = {n: view_of(n, a) for n, a in arrays.items()}
+            self._anchor_manifest = m
+            if self.catchup:  # its own copy: _prev is advanced in place by the next publish
+                self._anchor = {n: v.snapshot() for n, v in self._prev.items()}
+        else:
             self._anchor_manifest = sub.manifest(m.anchor_version)
+            if self.catchup:
+                arrays = sub.materialize(m.anchor_version)
+                self._anchor = {n: view_of(n, a) for n, a in arrays.items()}
 
     def publish(self, version: int, state: Mapping[str, Any]) -> PublishReport:
         t0 = time.perf_counter()
@@ -145,6 +148,8 @@ class Publisher:
 
         prev, anchor = self._prev_manifest, self._anchor_manifest
         is_anchor = prev is None or anchor is None or version - anchor.version >= self.anchor_every
+        if self.catchup and not is_anchor and self._anchor is None:
+            is_anchor = True  # no anchor copy to diff against: start a new epoch
         plan: list[tuple[int | None, dict[str, TensorView] | None]] = []
         if is_anchor:
             plan.append((None, None))
@@ -156,18 +161,34 @@ class Publisher:
         payloads: list[Payload] = []
         reports: list[PayloadReport] = []
         digests: dict[str, str] = {}
-        with (
-            ThreadPoolExecutor(self.workers) as pool,
-            ThreadPoolExecutor(self.upload_workers) as io,
-        ):
-            for i, (base_version, base_views) in enumerate(plan):
-                payload, report, stats_digests = self._publish_payload(
-                    version, views, base_version, base_views, pool, io, hash_new=i == 0
-                )
-                if i == 0:
-                    digests = stats_digests
-                payloads.append(payload)
-                reports.append(report)
+        try:
+            with (
+                ThreadPoolExecutor(self.workers) as pool,
+                ThreadPoolExecutor(self.upload_workers) as io,
+            ):
+                for i, (base_version, base_views) in enumerate(plan):
+                    # the step delta turns the publisher's own copy of the previous version
+                    # into this one in place (no full copy of the model per step)
+                    advance = base_views is not None and base_views is self._prev
+                    payload, report, stats_digests = self._publish_payload(
+                        version,
+                        views,
+                        base_version,
+                        base_views,
+                        pool,
+                        io,
+                        hash_new=i == 0,
+                        advance_base=advance,
+                    )
+                    if i == 0:
+                        digests = stats_digests
+                    payloads.append(payload)
+                    reports.append(report)
+        except BaseException:
+            if self._prev is not None:  # partly advanced: rebuild it from the store next time
+                self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
+                self._resumed = False
+            raise
         infos = tensor_infos(views, digests)
         manifest = Manifest(
             format=MANIFEST_FORMAT,
@@ -186,10 +207,12 @@ class Publisher:
                 f"publishing version {version}: all shards are uploaded but the commit failed "
                 f"({e}); publish version {version} again to finish"
             ) from e
-        new_base = {n: v.snapshot() for n, v in views.items()}
+        if self._prev is None:
+            self._prev = {n: v.snapshot() for n, v in views.items()}
         if is_anchor:
-            self._anchor, self._anchor_manifest = new_base, manifest
-        self._prev, self._prev_manifest = new_base, manifest
+            anchor_copy = {n: v.snapshot() for n, v in views.items()} if self.catchup else None
+            self._anchor, self._anchor_manifest = anchor_copy, manifest
+        self._prev_manifest = manifest
         numel = sum(v.numel for v in views.values())
         report = PublishReport(
             version=version,
@@ -220,6 +243,7 @@ class Publisher:
         io: ThreadPoolExecutor,
         *,
         hash_new: bool,
+        advance_base: bool,
     ) -> tuple[Payload, PayloadReport, dict[str, str]]:
         what = "anchor" if base_version is None else f"delta from {base_version}"
         refs: list[ShardRef] = []
@@ -262,6 +286,7 @@ class Publisher:
                 shard_bytes=self.shard_bytes,
                 on_shard=on_shard,
                 hash_new=hash_new,
+                advance_base=advance_base,
                 on_chunk=on_chunk,
             )
             while in_flight:
@@ -272,7 +297,7 @@ class Publisher:
         kind = "full" if base_version is None else "delta"
         base_digest = None
         if base_version is not None:
-            base_m = self._prev_manifest if base_views is self._prev else self._anchor_manifest
+            base_m = self._prev_manifest if advance_base else self._anchor_manifest
             base_digest = base_m.digest  # type: ignore[union-attr]
         payload = Payload(kind, base_version, base_digest, refs, stats.changed, stats.chunks)
         report = PayloadReport(
