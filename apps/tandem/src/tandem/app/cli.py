@@ -11,13 +11,15 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
-from tandem.app import __version__
+from tandem.app import __version__, commands
 from tandem.app.config import AppConfig, dump_config, load_config
 from tandem.app.errors import ConfigError
 from tandem.app.logging import configure_logging
+from tandem.app.pipeline_config import PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,15 @@ class Command:
     config_type: type[AppConfig]
     run: Callable[[AppConfig, argparse.Namespace], int]
     default_config: str | None = None
+
+
+def _config_path(name: str) -> str | None:
+    """``configs/<name>`` of the source checkout, when the app runs from one."""
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "configs" / name
+        if candidate.is_file():
+            return str(candidate)
+    return None
 
 
 def _check(config: AppConfig, args: argparse.Namespace) -> int:
@@ -43,6 +54,28 @@ COMMANDS: dict[str, Command] = {
         help="validate a config file (with overrides) and print it fully resolved",
         config_type=AppConfig,
         run=_check,
+    ),
+    "demo": Command(
+        help="mid-train a tiny MoE on code, then asynchronous GRPO on coding tasks; "
+        "prints held-out pass@1 before/after",
+        config_type=PipelineConfig,
+        run=commands.run_demo,  # type: ignore[arg-type]
+        default_config=_config_path("demo.toml"),
+    ),
+    "midtrain": Command(
+        help="next-token training on standard-library code and oracle agent transcripts",
+        config_type=PipelineConfig,
+        run=commands.run_midtrain,  # type: ignore[arg-type]
+    ),
+    "train": Command(
+        help="RL (async or sync GRPO) from a saved policy (default: the run's midtrained/)",
+        config_type=PipelineConfig,
+        run=commands.run_train,  # type: ignore[arg-type]
+    ),
+    "eval": Command(
+        help="pass@k of a saved policy on held-out generated tasks",
+        config_type=PipelineConfig,
+        run=commands.run_eval,  # type: ignore[arg-type]
     ),
 }
 

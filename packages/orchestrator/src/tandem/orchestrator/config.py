@@ -158,7 +158,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     is then 0 by construction). ``max_staleness``: a group produced by policy version v is
     trained on only while trainer_version - v <= max_staleness. ``rollout_workers``: groups in
     flight at once. ``max_ahead``: how many trainer steps rollouts may start ahead
-    (default max_staleness + 1, the bound that keeps drops rare).
+    (0: max_staleness + 1, the bound that keeps drops rare).
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -167,7 +167,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     groups_per_step: int = 4
     max_staleness: int = 1
     rollout_workers: int = 8
-    max_ahead: int | None = None
+    max_ahead: int = 0
     buffer_capacity: int = 64
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
@@ -183,13 +183,13 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         _require(self.rollout_workers >= 1, "rollout_workers", "must be >= 1")
         _require(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
-        _require(self.max_ahead is None or self.max_ahead >= 1, "max_ahead", "must be >= 1")
+        _require(self.max_ahead >= 0, "max_ahead", "must be >= 0 (0: max_staleness + 1)")
 
     @property
     def effective_max_ahead(self) -> int:
         if self.mode == "sync":
             return 1
-        return self.max_ahead if self.max_ahead is not None else self.max_staleness + 1
+        return self.max_ahead or self.max_staleness + 1
 
 
 class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -199,6 +199,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool-call format); ``transcript_fraction``: share of each batch's sequences that are
     transcripts (the rest are packed code windows of ``window`` tokens);
     ``transcript_loss``: ``all`` tokens of a transcript or only the ``assistant`` turns.
+    ``skip_tools``: read-only calls left out of the transcripts (see `condense`).
     """
 
     steps: int = 300
@@ -211,6 +212,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transcripts: int = 400
     transcript_fraction: float = 0.75
     transcript_loss: Literal["all", "assistant"] = "all"
+    skip_tools: list[str] = msgspec.field(default_factory=lambda: ["list_dir", "run_tests"])
     code_bytes: int = 4_000_000
     log_every: int = 10
 

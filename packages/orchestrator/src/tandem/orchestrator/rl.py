@@ -151,11 +151,9 @@ class RLRun:
         )
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from_step=self.step)
         self.filtered = 0
-        self.consumed = 0
         self.started = 0
         self.trajectories = 0
         self.busy_s = self.wait_s = 0.0
-        self._admit = asyncio.Condition()
         self._published = asyncio.Event()
 
     # -- rollouts ----------------------------------------------------------------------------
@@ -190,18 +188,20 @@ class RLRun:
     async def _worker(self) -> None:
         ahead = self.rl.effective_max_ahead * self.rl.groups_per_step
         while True:
-            async with self._admit:
-                await self._admit.wait_for(lambda: self.started - self.consumed < ahead)
-                self.started += 1
-                index = self.cursor
-                self.cursor += 1
+            # Groups leave the pipeline when the trainer takes them or drops them as stale.
+            while self.started - self._retired() >= ahead:
+                await asyncio.sleep(0.01)
+            self.started += 1
+            index = self.cursor
+            self.cursor += 1
             group = await self._play_group(index)
             if group is None:
-                async with self._admit:
-                    self.started -= 1
-                    self._admit.notify_all()
+                self.started -= 1
                 continue
             await self.buffer.put(group)
+
+    def _retired(self) -> int:
+        return self.buffer.stats.taken + self.buffer.stats.dropped_stale
 
     async def _follow(self) -> None:
         """The engine side of weight sync: pull each newly published version."""
@@ -230,9 +230,6 @@ class RLRun:
                 )
             else:
                 taken = await self.buffer.take(1, self.trainer.policy_version)
-                async with self._admit:
-                    self.consumed += 1
-                    self._admit.notify_all()
             for g in taken:
                 if self._informative(g):
                     groups.append(g)

@@ -13,11 +13,12 @@ from tandem.orchestrator.config import EnvSettings, TaskConfig
 
 
 class TaskSource:
-    """Task number ``i`` of one seed, generated on demand (and cached)."""
+    """Task number ``offset + i`` of one seed, generated on demand (and cached)."""
 
-    def __init__(self, config: TaskConfig, seed: int) -> None:
+    def __init__(self, config: TaskConfig, seed: int, offset: int = 0) -> None:
         self.config = config
         self.seed = seed
+        self.offset = offset
         self._one = lru_cache(maxsize=4096)(self._generate)
 
     def _generate(self, index: int) -> Task:
@@ -32,7 +33,7 @@ class TaskSource:
         )[0]
 
     def __getitem__(self, index: int) -> Task:
-        return self._one(index)
+        return self._one(self.offset + index)
 
     def take(self, start: int, n: int) -> list[Task]:
         return [self[i] for i in range(start, start + n)]

@@ -1,0 +1,181 @@
+"""The pipeline commands: `midtrain`, `train`, `eval` and `demo` (both stages, before/after).
+
+torch and the orchestrator are imported inside the functions, so `tandem --help` and config
+validation stay fast and a bad config fails before any model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tandem.app.config import dump_config
+from tandem.app.pipeline_config import PipelineConfig
+
+log = structlog.get_logger("tandem")
+
+
+def _policy_dir(config: PipelineConfig) -> Path:
+    return Path(config.policy) if config.policy else config.run_dir / "midtrained"
+
+
+def _load(config: PipelineConfig) -> Any:
+    from tandem.orchestrator.policy import PolicyError, load_policy
+
+    try:
+        return load_policy(_policy_dir(config))
+    except PolicyError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return None
+
+
+def run_midtrain(config: PipelineConfig, args: argparse.Namespace) -> int:
+    from tandem.orchestrator.pipeline import midtrain
+
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    _, info = midtrain(
+        model_cfg=config.model,
+        mid=config.midtrain,
+        tasks=config.tasks,
+        env=config.env,
+        engine=config.engine,
+        run_dir=config.run_dir,
+        seed=config.run.seed,
+    )
+    print(f"mid-trained policy saved to {config.run_dir / 'midtrained'} ({info['steps']} steps)")
+    return 0
+
+
+def run_eval(config: PipelineConfig, args: argparse.Namespace) -> int:
+    from tandem.orchestrator.pipeline import evaluate_policy
+
+    model = _load(config)
+    if model is None:
+        return 2
+    result = evaluate_policy(
+        model,
+        tasks=config.tasks,
+        env=config.env,
+        engine=config.engine,
+        n_tasks=config.eval.tasks,
+        samples=config.eval.samples,
+        seed=config.run.seed,
+        ks=tuple(config.eval.ks),
+    )
+    for k, v in sorted(result.pass_at.items()):
+        print(f"pass@{k} = {v:.3f}  ({result.tasks} tasks of seed {config.tasks.eval_seed})")
+    return 0
+
+
+def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
+    from tandem.orchestrator.pipeline import reinforce
+    from tandem.orchestrator.policy import save_policy
+
+    model = _load(config)
+    if model is None:
+        return 2
+    rl_dir = config.run_dir / "rl"
+    summary = reinforce(
+        model,
+        tasks=config.tasks,
+        env=config.env,
+        engine=config.engine,
+        trainer=config.trainer,
+        rl=config.rl,
+        run_dir=rl_dir,
+        seed=config.run.seed,
+        task_offset=config.midtrain.transcripts,
+        progress=sys.stderr.isatty(),
+    )
+    save_policy(model, config.run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
+    print(
+        f"RL: {summary.steps_done} steps, policy version {summary.policy_version}, "
+        f"{summary.trajectories} trajectories in {summary.wall_s:.0f} s; "
+        f"metrics in {rl_dir / 'metrics.jsonl'}"
+    )
+    return 0
+
+
+def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.app.demo_report import demo_table, print_table, write_demo_report
+    from tandem.orchestrator.pipeline import evaluate_policy, midtrain, reinforce
+    from tandem.orchestrator.policy import save_policy
+
+    t_start = time.perf_counter()
+    run_dir = config.run_dir
+    for stale in ("rl", "midtrained", "rl_trained"):
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.run.seed)
+    demo = config.demo
+    log.info("demo.start", run_dir=str(run_dir), budget_s=demo.time_budget_s)
+
+    model, mid_info = midtrain(
+        model_cfg=config.model,
+        mid=config.midtrain,
+        tasks=config.tasks,
+        env=config.env,
+        engine=config.engine,
+        run_dir=run_dir,
+        seed=config.run.seed,
+        deadline=t_start + demo.midtrain_budget_s,
+    )
+    t_mid = time.perf_counter() - t_start
+
+    def held_out() -> Any:
+        return evaluate_policy(
+            model,
+            tasks=config.tasks,
+            env=config.env,
+            engine=config.engine,
+            n_tasks=config.eval.tasks,
+            samples=config.eval.samples,
+            seed=config.run.seed,
+        )
+
+    t0 = time.perf_counter()
+    before = held_out()
+    t_eval = time.perf_counter() - t0
+    remaining = demo.time_budget_s - (time.perf_counter() - t_start) - 1.15 * t_eval - 15.0
+    log.info("demo.rl_budget", seconds=round(remaining, 1), eval_s=round(t_eval, 1))
+    summary = reinforce(
+        model,
+        tasks=config.tasks,
+        env=config.env,
+        engine=config.engine,
+        trainer=config.trainer,
+        rl=config.rl,
+        run_dir=run_dir / "rl",
+        seed=config.run.seed,
+        task_offset=config.midtrain.transcripts,
+        progress=sys.stderr.isatty(),
+        max_wall_s=max(remaining, 30.0),
+    )
+    save_policy(model, run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
+    after = held_out()
+    wall = time.perf_counter() - t_start
+    rows = demo_table(
+        config,
+        before=before,
+        after=after,
+        summary=summary,
+        mid_info=mid_info,
+        stage_seconds={
+            "midtrain": t_mid,
+            "eval": t_eval,
+            "rl": summary.wall_s,
+            "total": wall,
+        },
+    )
+    print_table(rows)
+    report = write_demo_report(config, rows, dump_config(config))
+    print(f"report: {report}")
+    return 0

@@ -1,0 +1,146 @@
+"""The demo's closing table (before/after, agreement, sync figures) and its report files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tandem.app.pipeline_config import PipelineConfig
+
+
+def _values(records: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
+
+
+def demo_table(
+    config: PipelineConfig,
+    *,
+    before: Any,
+    after: Any,
+    summary: Any,
+    mid_info: dict[str, Any],
+    stage_seconds: dict[str, float],
+) -> list[tuple[str, str]]:
+    """Rows (metric, value) aggregated over the whole RL run from its metrics file."""
+    from tandem.orchestrator.metrics import read_metrics
+    from tandem.orchestrator.report import fmt
+
+    records = read_metrics(config.run_dir / "rl" / "metrics.jsonl")
+    p0, p1 = before.pass_at.get(1, 0.0), after.pass_at.get(1, 0.0)
+    mism = _values(records, "mismatch_max_abs")
+    mism_tokens = sum(_values(records, "mismatch_tokens"))
+    k3 = _values(records, "mismatch_k3")
+    free_same = _values(records, "routing_agreement_same_version")
+    free_all = _values(records, "routing_agreement_free")
+    replay = _values(records, "routing_agreement_replay")
+    sync = _values(records, "sync_bytes")
+    ratios = _values(records, "sync_ratio")
+    pause = summary.pause_s
+    prepare = summary.prepare_s
+    dense = None
+    if summary.publish_bytes and summary.ratios:
+        dense = summary.publish_bytes[0] * summary.ratios[0]
+    roll = _values(records, "rollout_tokens_per_s")
+    train_tps = _values(records, "trainer_tokens_per_s")
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    hist = summary.staleness_histogram
+    n_eval = f"{before.tasks} tasks x {before.samples_per_task}"
+    return [
+        ("held-out tasks (never trained on)", f"{n_eval}, seed {config.tasks.eval_seed}"),
+        ("pass@1 mid-trained", fmt(p0)),
+        ("pass@1 RL-trained", fmt(p1)),
+        ("pass@1 change (points)", f"{100 * (p1 - p0):+.1f}"),
+        (
+            "format errors per turn (before -> after)",
+            f"{fmt(before.format_error_rate)} -> {fmt(after.format_error_rate)}",
+        ),
+        (
+            "mid-training",
+            f"{mid_info['steps']} steps, {mid_info['transcripts']} oracle transcripts, "
+            f"{mid_info['params'] / 1e6:.2f}M params",
+        ),
+        (
+            "RL",
+            f"{summary.steps_done} steps ({config.rl.mode}, max_staleness "
+            f"{config.rl.max_staleness}), {summary.trajectories} trajectories",
+        ),
+        (
+            "logprob mismatch, same-version samples (max |Δ|)",
+            f"{fmt(max(mism) if mism else None, '.3g')} over {int(mism_tokens)} tokens",
+        ),
+        ("logprob mismatch k3 (mean)", fmt(mean(k3), ".3g")),
+        ("routing agreement with replay (R3)", fmt(min(replay) if replay else None, ".4f")),
+        (
+            "routing agreement without replay, same version",
+            fmt(min(free_same) if free_same else None, ".4f"),
+        ),
+        ("routing agreement without replay, all samples", fmt(mean(free_all), ".4f")),
+        (
+            "staleness histogram (groups)",
+            ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())) or "n/a",
+        ),
+        (
+            "dropped stale groups / filtered equal-reward groups",
+            f"{summary.dropped_stale} / {summary.filtered_equal}",
+        ),
+        (
+            "weights synced per step (mean)",
+            f"{fmt(mean(sync) / 1024 if sync else None, '.1f')} KiB of {fmt(dense / 1024 if dense else None, '.1f')} KiB dense",
+        ),
+        ("delta compression ratio (mean)", fmt(mean(ratios), ".2f")),
+        (
+            "engine prepare / pause per update (mean)",
+            f"{fmt(mean(prepare), '.3f')} s / {fmt(mean(pause), '.4f')} s",
+        ),
+        (
+            "rollout / trainer tokens per s (mean)",
+            f"{fmt(mean(roll), '.0f')} / {fmt(mean(train_tps), '.0f')}",
+        ),
+        ("trainer idle fraction", fmt(summary.trainer_idle_fraction, ".2f")),
+        (
+            "wall time (mid-train / eval / RL / total)",
+            " / ".join(f"{stage_seconds[k]:.0f} s" for k in ("midtrain", "eval", "rl", "total")),
+        ),
+    ]
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tandem demo: mid-training, then asynchronous GRPO")
+    table.add_column("metric")
+    table.add_column("value")
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def write_demo_report(
+    config: PipelineConfig, rows: list[tuple[str, str]], config_toml: str
+) -> Path:
+    from tandem.orchestrator.report import plot_rewards, write_report
+
+    run_dir = config.run_dir
+    before = float(rows[1][1]) if rows[1][1] != "n/a" else None
+    after = float(rows[2][1]) if rows[2][1] != "n/a" else None
+    image = plot_rewards(
+        run_dir / "rl" / "metrics.jsonl", run_dir / "reward_curve.png", baseline=before, final=after
+    )
+    return write_report(
+        run_dir / "report.md",
+        title="tandem demo report",
+        rows=rows,
+        sections={
+            "Artefacts": (
+                "- `midtrained/`, `rl_trained/`: policies in the Hugging Face Qwen3-MoE layout\n"
+                "- `midtrain_metrics.jsonl`, `rl/metrics.jsonl`: per-step metrics\n"
+                "- `rl/checkpoints/`: resumable checkpoints; `rl/weights/`: the delta-sync streams"
+            )
+        },
+        config_toml=config_toml,
+        image=image.name,
+    )

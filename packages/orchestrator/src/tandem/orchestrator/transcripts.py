@@ -1,0 +1,103 @@
+"""Oracle transcripts: agent-env's oracle solving generated tasks, in the policy's own format.
+
+The oracle applies each task's reference fix through the real tools in the real sandbox, so
+the observations are what the policy will see in RL. Rendering follows the RL token stream
+exactly (same chat format, same observation truncation, nothing after the final call), so
+mid-training teaches the format the engine will be parsed against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from tandem.agent_env import EnvConfig, OraclePolicy, Task, Trajectory, run_episodes
+from tandem.orchestrator.chat_format import ChatFormat
+from tandem.orchestrator.episode import truncate_observation
+
+log = structlog.get_logger()
+
+
+def condense(messages: Sequence[dict[str, Any]], skip_tools: Sequence[str]) -> list[dict[str, Any]]:
+    """Drop the calls to read-only tools in ``skip_tools`` (and their observations).
+
+    Skipping a call that changes nothing in the workspace (listing a directory, running the
+    visible tests) leaves every later observation exactly as the environment produced it, so
+    the result is the faithful transcript of a shorter oracle; a small model then learns the
+    calls that decide the outcome from shorter sequences.
+    """
+    out: list[dict[str, Any]] = []
+    skipped: set[str] = set()
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if m.get("role") == "assistant" and calls and calls[0]["function"]["name"] in skip_tools:
+            skipped.add(calls[0]["id"])
+            continue
+        if m.get("role") == "tool" and m.get("tool_call_id") in skipped:
+            continue
+        out.append(dict(m))
+    return out
+
+
+def render_transcript(
+    chat: ChatFormat,
+    messages: Sequence[dict[str, Any]],
+    max_observation_chars: int,
+    skip_tools: Sequence[str] = (),
+) -> tuple[list[int], list[int]]:
+    """(ids, loss_mask) of a finished episode, as the engine's token stream would hold it."""
+    msgs = condense(messages, skip_tools)
+    while msgs and msgs[-1].get("role") == "tool":
+        msgs.pop()  # the episode ends with the policy's last call
+    for m in msgs:
+        if m.get("role") == "tool":
+            m["content"] = truncate_observation(m.get("content") or "", max_observation_chars)
+    return chat.render(msgs)
+
+
+async def _play(tasks: Sequence[Task], config: EnvConfig, concurrency: int) -> list[Trajectory]:
+    return await run_episodes(OraclePolicy(tasks), tasks, concurrency=concurrency, config=config)
+
+
+def oracle_transcripts(
+    tasks: Sequence[Task],
+    config: EnvConfig,
+    chat: ChatFormat,
+    *,
+    max_observation_chars: int,
+    concurrency: int = 32,
+    skip_tools: Sequence[str] = (),
+    cache: str | Path | None = None,
+) -> list[tuple[list[int], list[int]]]:
+    """Rendered transcripts of the oracle on ``tasks`` (only resolved episodes are kept).
+
+    ``cache``: a file to reuse between runs; it is keyed by the task ids and settings.
+    """
+    key = msgspec.json.encode(
+        {
+            "tasks": [t.id for t in tasks],
+            "turns": config.max_turns,
+            "system": config.system_prompt,
+            "obs": max_observation_chars,
+            "skip": list(skip_tools),
+        }
+    )
+    path = Path(cache) if cache is not None else None
+    if path is not None and path.is_file():
+        stored = msgspec.json.decode(path.read_bytes())
+        if stored.get("key") == key.decode():
+            return [(ids, mask) for ids, mask in stored["items"]]
+    trajectories = asyncio.run(_play(tasks, config, concurrency))
+    kept = [t for t in trajectories if t.resolved]
+    if len(kept) < len(trajectories):
+        log.warning("midtrain.oracle_failures", failed=len(trajectories) - len(kept))
+    items = [render_transcript(chat, t.messages, max_observation_chars, skip_tools) for t in kept]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(msgspec.json.encode({"key": key.decode(), "items": items}))
+    return items

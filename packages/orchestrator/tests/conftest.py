@@ -1,0 +1,147 @@
+"""Shared fixtures: a tiny MoE policy and a synchronous multi-turn driver for the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tandem.orchestrator.chat_format import ChatFormat
+from tandem.orchestrator.config import EngineConfig, ModelConfig
+from tandem.orchestrator.engine import InferenceEngine
+from tandem.orchestrator.episode import Sample, episode_generator
+from tandem.orchestrator.policy import build_model, clone_model
+
+TINY = ModelConfig(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    kv_split_size=16,
+    init_seed=3,
+)
+
+
+@pytest.fixture
+def chat() -> ChatFormat:
+    return ChatFormat()
+
+
+@pytest.fixture
+def tiny_policy(chat: ChatFormat):
+    return build_model(TINY, chat.tok)
+
+
+def drive(
+    engine: InferenceEngine,
+    chat: ChatFormat,
+    episodes: list[tuple[list[int], list[list[int]], int]],
+    *,
+    max_new_tokens: int = 12,
+    between_steps: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """Play episodes (prompt, observations, seed) turn by turn, all in one batch.
+
+    Each turn samples until the stop token or the budget; an observation (a tool turn plus
+    the assistant header) is fed after every turn but the last. ``between_steps(i)`` runs
+    before decoding step i (to stage weight updates mid-turn).
+    """
+    state = []
+    for prompt, observations, seed in episodes:
+        slot = engine.acquire()
+        gen = episode_generator(seed, 0)
+        engine.submit(slot, prompt, gen, max_new_tokens)
+        state.append(
+            {
+                "slot": slot,
+                "gen": gen,
+                "obs": list(observations),
+                "tokens": list(prompt),
+                "mask": [0] * len(prompt),
+                "lps": [0.0] * len(prompt),
+                "vers": [-1] * len(prompt),
+                "routes": [],
+                "lo": 1 << 62,
+                "hi": -1,
+                "done": False,
+            }
+        )
+    by_slot = {s["slot"]: s for s in state}
+    step = 0
+    while not all(s["done"] for s in state):
+        if between_steps is not None:
+            between_steps(step)
+        step += 1
+        for slot, out in engine.step():
+            s = by_slot[slot]
+            s["routes"].append(out.routes)
+            s["tokens"] += out.tokens
+            s["mask"] += [1] * len(out.tokens)
+            s["lps"] += out.logprobs
+            s["vers"] += out.versions
+            s["lo"], s["hi"] = min(s["lo"], out.min_version), max(s["hi"], out.max_version)
+            if not s["obs"]:
+                s["done"] = True
+                continue
+            obs = s["obs"].pop(0)
+            closing = [] if out.tokens[-1] == chat.end_id else [chat.end_id]
+            engine.submit(slot, [out.tokens[-1], *closing, *obs], s["gen"], max_new_tokens)
+            s["tokens"] += closing + obs
+            s["mask"] += [0] * (len(closing) + len(obs))
+            s["lps"] += [0.0] * (len(closing) + len(obs))
+            s["vers"] += [-1] * (len(closing) + len(obs))
+    samples = []
+    for i, s in enumerate(state):
+        engine.release(s["slot"])
+        samples.append(
+            Sample(
+                task_id=f"t{i}",
+                tokens=s["tokens"],
+                loss_mask=s["mask"],
+                logprobs=s["lps"],
+                versions=s["vers"],
+                routes=np.concatenate(s["routes"]),
+                reward=float(i % 2),
+                resolved=bool(i % 2),
+                turns=len(s["routes"]),
+                termination="test",
+                min_version=s["lo"],
+                max_version=s["hi"],
+            )
+        )
+    return samples
+
+
+def observation(chat: ChatFormat, text: str) -> list[int]:
+    ids, _ = chat.render_turn({"role": "tool", "content": text})
+    return ids + chat.header("assistant")
+
+
+def prompt(chat: ChatFormat, task: str) -> list[int]:
+    ids, _ = chat.render(
+        [{"role": "system", "content": "Fix it."}, {"role": "user", "content": task}],
+        add_generation_prompt=True,
+    )
+    return ids
+
+
+@pytest.fixture
+def make_engine(chat: ChatFormat):
+    def make(policy, **overrides) -> InferenceEngine:
+        cfg = EngineConfig(**{"max_slots": 8, "max_len": 512, "max_new_tokens": 12, **overrides})
+        return InferenceEngine(clone_model(policy), cfg, stop_id=chat.end_id)
+
+    return make
+
+
+@pytest.fixture
+def helpers():
+    """The driver and renderers above (tests are not a package, so fixtures carry them)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(drive=drive, observation=observation, prompt=prompt)

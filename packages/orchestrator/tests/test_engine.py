@@ -1,0 +1,103 @@
+"""The embedded engine against the trainer: same log-prob bits, same experts, same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.delta_sync import LocalStore
+from tandem.moe_determinism import batch_invariant
+from tandem.orchestrator.config import TrainerConfig
+from tandem.orchestrator.engine import EngineError
+from tandem.orchestrator.trainer import RLTrainer, collate, score
+from tandem.orchestrator.weights import WeightPublisher, state_for_sync, weights_equal
+
+
+def _episodes(chat, h):
+    prompt, observation = h.prompt, h.observation
+    return [
+        (prompt(chat, "bug in clamp"), [observation(chat, "file text\n1\tdef f(): pass")], 11),
+        (
+            prompt(chat, "the second task is longer than the first one"),
+            [observation(chat, "ok")],
+            12,
+        ),
+        (prompt(chat, "x"), [observation(chat, "a"), observation(chat, "bb")], 13),
+    ]
+
+
+def test_rollout_logprobs_equal_trainer_bit_for_bit(
+    chat, tiny_policy, make_engine, helpers
+) -> None:
+    engine = make_engine(tiny_policy)
+    samples = helpers.drive(engine, chat, _episodes(chat, helpers))
+    assert all(s.routes.shape[0] == len(s.tokens) - 1 for s in samples)
+    batch = collate([samples[:2], samples[2:]])
+    with torch.no_grad(), batch_invariant():
+        replayed, _, _ = score(tiny_policy, batch, "R3")
+        free, free_ids, counts = score(tiny_policy, batch, "none")
+    mask = batch.loss_mask
+    assert int(mask.sum()) > 10
+    # Bit-for-bit: compare the float32 bit patterns, not values within a tolerance.
+    rollout_bits = batch.rollout_logprobs[mask].view(torch.int32)
+    assert torch.equal(replayed[mask].view(torch.int32), rollout_bits)
+    assert torch.equal(free[mask].view(torch.int32), rollout_bits)
+    recorded = torch.cat([batch.extras["routes"][i, :n].long() for i, n in enumerate(counts)])
+    assert torch.equal(free_ids.sort(-1).values, recorded.sort(-1).values)  # 100% agreement
+
+
+def test_trainer_step_reports_zero_mismatch_and_full_agreement(
+    chat, tiny_policy, make_engine, helpers
+) -> None:
+    engine = make_engine(tiny_policy)
+    samples = helpers.drive(engine, chat, _episodes(chat, helpers) + _episodes(chat, helpers)[:1])
+    trainer = RLTrainer(tiny_policy, TrainerConfig(lr=1e-3, routing_check_rows=4))
+    metrics = trainer.step([samples[:2], samples[2:]])
+    assert metrics["step_applied"] == 1.0 and trainer.policy_version == 1
+    assert metrics["same_version_samples"] == 4
+    assert metrics["mismatch_tokens"] > 0
+    assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_frac_differ"] == 0.0
+    assert metrics["routing_agreement_free"] == 1.0
+    assert metrics["routing_agreement_replay"] == 1.0
+
+
+def test_sampling_does_not_depend_on_the_batch(chat, tiny_policy, make_engine, helpers) -> None:
+    episodes = _episodes(chat, helpers)
+    together = helpers.drive(make_engine(tiny_policy), chat, episodes)
+    alone = helpers.drive(make_engine(tiny_policy), chat, [episodes[1]])
+    assert alone[0].tokens == together[1].tokens
+    assert alone[0].logprobs == together[1].logprobs
+
+
+def test_weights_swapped_mid_turn_through_delta_sync(
+    chat, tiny_policy, make_engine, tmp_path, helpers
+) -> None:
+    engine = make_engine(tiny_policy, max_new_tokens=8)
+    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
+    publisher.publish(0, tiny_policy)
+    sub = publisher.subscriber(0)
+    with torch.no_grad():
+        for p in tiny_policy.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    publisher.publish(1, tiny_policy)
+    prepared = sub.prepare()
+
+    def stage(step: int) -> None:
+        if step == 3:
+            engine.stage_update(prepared)
+
+    samples = helpers.drive(
+        engine, chat, [(helpers.prompt(chat, "task"), [], 5)], max_new_tokens=8, between_steps=stage
+    )
+    generated = [v for v in samples[0].versions if v >= 0]
+    assert generated[:3] == [0, 0, 0] and set(generated[3:]) == {1}
+    assert (samples[0].min_version, samples[0].max_version) == (0, 1)
+    assert engine.version == 1
+    assert weights_equal(engine.state, state_for_sync(tiny_policy))
+
+
+def test_context_overflow_is_a_clear_error(chat, tiny_policy, make_engine, helpers) -> None:
+    engine = make_engine(tiny_policy, max_len=64)
+    slot = engine.acquire()
+    with pytest.raises(EngineError, match="do not fit"):
+        engine.submit(slot, list(range(70)), torch.Generator(), 4)
