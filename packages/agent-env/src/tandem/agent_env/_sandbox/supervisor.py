@@ -6,17 +6,23 @@ command runs in a fresh ``bash -c`` in its own session (process group) with per-
 a wall deadline and a cap on how much output is read; file tools run here directly and refuse
 any path that resolves outside the workspace.
 
-Stdlib only, Python >= 3.8: this runs on the sandbox's system interpreter.
+Stdlib only, Python >= 3.8: this runs on the sandbox's system interpreter. It starts once per
+episode, so it avoids heavy imports (json pulls in re, enum, collections: more than the
+interpreter's own start-up) and carries a minimal JSON codec instead.
 """
 
-import contextlib
-import json
+import _signal as signal  # the enum-free core of `signal`: a much cheaper import
 import os
 import resource
 import select
-import signal
 import sys
 import time
+
+try:
+    from .jsonlite import dumps, loads
+except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from jsonlite import dumps, loads
 
 # Set by main() from the JSON config in argv[1]; importing this module has no side effects.
 CFG = {}
@@ -141,8 +147,10 @@ def run(req):
 
 
 def _killpg(pid):
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:  # noqa: SIM105 - contextlib is a costly import here
         os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def resolve(path, must_exist=True):
@@ -299,7 +307,7 @@ OPS = {
 
 def main():
     global CFG, WS, SHELL, ENV
-    CFG = json.loads(sys.argv[1])
+    CFG = loads(sys.argv[1])
     WS = os.path.realpath(CFG["workspace"])
     SHELL = CFG.get("shell", "/bin/bash")
     ENV = CFG.get("env", {})
@@ -310,19 +318,19 @@ def main():
     out = os.fdopen(os.dup(1), "w", buffering=1)
     null = os.open("/dev/null", os.O_WRONLY)
     os.dup2(null, 1)
-    out.write(json.dumps({"ok": True, "ready": True, "pid": os.getpid()}) + "\n")
+    out.write(dumps({"ok": True, "ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
         try:
-            req = json.loads(line)
+            req = loads(line)
             resp = OPS[req["op"]](req)
             resp["ok"] = True
         except ToolFailure as e:
             resp = {"ok": False, "error": str(e)}
         except OSError as e:
             resp = {"ok": False, "error": f"{type(e).__name__}: {e.strerror or e}"}
-        except (KeyError, TypeError, ValueError, UnicodeError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, UnicodeError) as e:
             resp = {"ok": False, "error": f"bad request: {type(e).__name__}: {e}"}
-        out.write(json.dumps(resp) + "\n")
+        out.write(dumps(resp) + "\n")
 
 
 if __name__ == "__main__":
