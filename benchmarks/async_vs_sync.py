@@ -1,0 +1,142 @@
+"""Asynchronous vs synchronous GRPO: the same config for the same wall time, side by side.
+
+Both modes start from the same policy and play real episodes (a sandbox per episode, hidden
+tests run in the sandbox to grade every episode). Printed per mode: trajectories/s, trainer
+idle fraction (time the trainer waits for data / its total time), steps, stale drops, and
+the held-out pass@1 reached; then the async/sync ratios.
+
+    uv run python benchmarks/async_vs_sync.py                       # policy: runs/demo/midtrained
+    uv run python benchmarks/async_vs_sync.py --seconds 300 --max-staleness 2
+    uv run python benchmarks/async_vs_sync.py --policy none --synthetic-reward   # no policy needed
+
+Target (issue): async >= 1.8x the trajectories/s of sync at max_staleness <= 2, with no
+lower final reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", default="configs/demo.toml", help="pipeline TOML config")
+    parser.add_argument("--policy", default="runs/demo/midtrained", help="policy dir, or 'none'")
+    parser.add_argument("--seconds", type=float, default=180.0, help="wall time per mode")
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--eval-tasks", type=int, default=16)
+    parser.add_argument(
+        "--synthetic-reward",
+        action="store_true",
+        help="reward = parity of the generated tokens (wiring/throughput only, no learning)",
+    )
+    args = parser.parse_args()
+
+    import torch
+
+    from tandem.app.config import load_config
+    from tandem.app.logging import configure_logging
+    from tandem.app.pipeline_config import PipelineConfig
+    from tandem.orchestrator.pipeline import evaluate_policy, reinforce
+    from tandem.orchestrator.policy import build_model, clone_model, load_policy
+    from tandem.orchestrator.rl import RunHooks
+    from tandem.orchestrator.tokenizer import ByteTokenizer
+
+    configure_logging("warning", "console")
+    cfg = load_config(PipelineConfig, args.config)
+    if args.policy == "none":
+        if not args.synthetic_reward:
+            print("a fresh policy never solves a task: add --synthetic-reward", file=sys.stderr)
+            return 2
+        base = build_model(cfg.model, ByteTokenizer())
+    else:
+        if not Path(args.policy).is_dir():
+            print(
+                f"{args.policy} not found: run `uv run tandem demo` (or `tandem midtrain`) first, "
+                "or pass --policy none --synthetic-reward",
+                file=sys.stderr,
+            )
+            return 2
+        base = load_policy(args.policy)
+    hooks = None
+    if args.synthetic_reward:
+        hooks = RunHooks(reward=lambda s: float(sum(s.tokens[-len(s.tokens) // 3 :]) % 2))
+
+    results = {}
+    for mode in ("sync", "async"):
+        rl = msgspec.structs.replace(
+            cfg.rl,
+            mode=mode,
+            steps=100_000,
+            max_staleness=args.max_staleness,
+            checkpoint_every=100_000,
+        )
+        model = clone_model(base)
+        run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{mode}-"))
+        t0 = time.perf_counter()
+        summary = reinforce(
+            model,
+            tasks=cfg.tasks,
+            env=cfg.env,
+            engine=cfg.engine,
+            trainer=cfg.trainer,
+            rl=rl,
+            run_dir=run_dir,
+            seed=cfg.run.seed,
+            task_offset=cfg.midtrain.transcripts,
+            max_wall_s=args.seconds,
+            hooks=hooks,
+        )
+        wall = time.perf_counter() - t0
+        held = evaluate_policy(
+            model,
+            tasks=cfg.tasks,
+            env=cfg.env,
+            engine=cfg.engine,
+            n_tasks=args.eval_tasks,
+            samples=1,
+            seed=cfg.run.seed,
+        )
+        shutil.rmtree(run_dir, ignore_errors=True)
+        results[mode] = {
+            "wall_s": wall,
+            "steps": summary.steps_done,
+            "trajectories": summary.trajectories,
+            "traj_per_s": summary.trajectories / wall,
+            "idle": summary.trainer_idle_fraction,
+            "dropped": summary.dropped_stale,
+            "pass1": held.pass_at.get(1, 0.0),
+        }
+        torch.manual_seed(0)
+
+    s, a = results["sync"], results["async"]
+    print()
+    print(
+        f"async vs sync, {args.seconds:.0f} s each, max_staleness {args.max_staleness}, "
+        f"{cfg.rl.groups_per_step} groups x {cfg.rl.group_size} per step"
+    )
+    print(f"{'':28}{'sync':>12}{'async':>12}{'async/sync':>12}")
+    rows = [
+        ("wall time (s)", "wall_s", ".0f"),
+        ("RL steps", "steps", "d"),
+        ("trajectories", "trajectories", "d"),
+        ("trajectories / s", "traj_per_s", ".3f"),
+        ("trainer idle fraction", "idle", ".2f"),
+        ("stale groups dropped", "dropped", "d"),
+        (f"held-out pass@1 ({args.eval_tasks} tasks)", "pass1", ".3f"),
+    ]
+    for label, key, spec in rows:
+        ratio = a[key] / s[key] if s[key] else float("nan")
+        print(f"{label:28}{format(s[key], spec):>12}{format(a[key], spec):>12}{ratio:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Pieces around episodes: tool-call conversion, observation truncation, transcripts, pass@k."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.orchestrator.config import ConfigValueError, RLConfig
+from tandem.orchestrator.episode import (
+    FORMAT_ERROR_TOOL,
+    Sample,
+    episode_generator,
+    to_env_call,
+    truncate_observation,
+)
+from tandem.orchestrator.evaluate import pass_at_k
+from tandem.orchestrator.trainer import collate
+from tandem.orchestrator.transcripts import condense, render_transcript
+
+
+def test_generated_call_becomes_agent_env_call(chat) -> None:
+    turn = [
+        *chat.tok.encode("look first"),
+        chat.call_open,
+        *chat.tok.encode('read_file {"path": "a.py"}'),
+        chat.call_close,
+        chat.end_id,
+    ]
+    call, error = to_env_call(chat, turn)
+    assert error is None
+    assert call.name == "read_file" and json.loads(call.arguments) == {"path": "a.py"}
+    assert call.content == "look first"
+
+
+def test_unparsable_output_becomes_a_format_error(chat) -> None:
+    call, error = to_env_call(chat, [*chat.tok.encode("just text"), chat.end_id])
+    assert call.name == FORMAT_ERROR_TOOL
+    assert error is not None and "no tool call" in error
+
+
+def test_truncation_keeps_both_ends_and_bounds_length() -> None:
+    text = "HEAD" + "x" * 5000 + "TAIL"
+    out = truncate_observation(text, 300)
+    assert out.startswith("HEAD") and out.endswith("TAIL") and len(out) <= 340
+    assert truncate_observation("short", 300) == "short"
+
+
+def test_episode_rng_depends_only_on_its_keys() -> None:
+    a = torch.rand(4, generator=episode_generator(1, 2, 3))
+    b = torch.rand(4, generator=episode_generator(1, 2, 3))
+    c = torch.rand(4, generator=episode_generator(1, 3, 2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_pass_at_k_matches_enumeration() -> None:
+    for n, c, k in [(5, 2, 1), (5, 2, 3), (6, 0, 2), (4, 4, 2), (7, 3, 4)]:
+        subsets = list(itertools.combinations([1] * c + [0] * (n - c), k))
+        brute = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(brute)
+
+
+def _messages() -> list[dict]:
+    def call(i: int, name: str, args: dict) -> dict:
+        fn = {"name": name, "arguments": json.dumps(args)}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": f"c{i}", "function": fn}],
+        }
+
+    return [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "fix"},
+        call(0, "list_dir", {"path": "."}),
+        {"role": "tool", "tool_call_id": "c0", "content": "a.py"},
+        call(1, "read_file", {"path": "a.py"}),
+        {"role": "tool", "tool_call_id": "c1", "content": "1\tx = 1"},
+        call(2, "submit", {}),
+        {"role": "tool", "tool_call_id": "c2", "content": "submitted"},
+    ]
+
+
+def test_condensed_transcript_matches_a_shorter_episode(chat) -> None:
+    msgs = _messages()
+    condensed = condense(msgs, ["list_dir"])
+    assert [m["role"] for m in condensed] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+    ]
+    ids, mask = render_transcript(chat, msgs, 600, ["list_dir"])
+    expected, expected_mask = chat.render(condensed[:-1])  # nothing after the final call
+    assert ids == expected and mask == expected_mask
+    assert ids[-1] == chat.end_id and mask[-1] == 1
+
+
+def test_collate_pads_and_aligns(chat) -> None:
+    def sample(n: int, reward: float) -> Sample:
+        return Sample(
+            task_id="t",
+            tokens=list(range(n)),
+            loss_mask=[0] * 3 + [1] * (n - 3),
+            logprobs=[0.0] * 3 + [-0.5] * (n - 3),
+            versions=[-1] * 3 + [2] * (n - 3),
+            routes=np.ones((n - 1, 2, 2), dtype=np.uint8),
+            reward=reward,
+            resolved=reward > 0,
+            turns=1,
+            termination="submitted",
+            min_version=2,
+            max_version=2,
+        )
+
+    batch = collate([[sample(6, 1.0), sample(9, 0.0)]])
+    batch.validate()
+    assert batch.input_ids.shape == (2, 9) and batch.extras["routes"].shape == (2, 8, 2, 2)
+    assert batch.attention_mask[0].tolist() == [True] * 6 + [False] * 3
+    assert not bool(batch.loss_mask[:, 0].any())
+    assert int(batch.extras["routes"][0, 5:].sum()) == 0
+
+
+def test_bad_rl_config_names_the_field() -> None:
+    with pytest.raises(ConfigValueError, match="group_size"):
+        RLConfig(group_size=1)
