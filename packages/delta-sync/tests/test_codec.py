@@ -77,7 +77,7 @@ def _eq(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pairs(), st.integers(1, 3))
 def test_delta_round_trip_is_bit_exact(pair, workers) -> None:
     base, new, chunk_bytes = pair
@@ -88,7 +88,7 @@ def test_delta_round_trip_is_bit_exact(pair, workers) -> None:
     assert _eq(target["t"], new)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(pairs())
 def test_full_round_trip_is_bit_exact(pair) -> None:
     _, new, chunk_bytes = pair
@@ -96,7 +96,7 @@ def test_full_round_trip_is_bit_exact(pair) -> None:
     assert _eq(out["x"], new)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.lists(st.integers(-300, 300), max_size=50))
 def test_zigzag_inverts_and_maps_small_differences_to_small_codes(width, diffs) -> None:
     u = np.dtype(f"u{width}")

@@ -206,9 +206,13 @@ class LocalStoreFactory:
         self.made.clear()
 
 
-def moe_shapes(target_bytes: int, d: int = 1024, experts: int = 16) -> dict[str, tuple[int, ...]]:
+def moe_shapes(
+    target_bytes: int, d: int | None = None, experts: int = 16
+) -> dict[str, tuple[int, ...]]:
     """A Qwen3-MoE-like layout (embeddings, GQA attention, router, stacked experts)."""
-    ff, vocab, kv = d // 2, 16384, d // 4
+    d = d or (1024 if target_bytes >= 64 << 20 else 256)
+    vocab = int(np.clip(target_bytes // (16 * d), 512, 16384))
+    ff, kv = d // 2, d // 4
     layer = {
         "self_attn.q_proj.weight": (d, d),
         "self_attn.k_proj.weight": (kv, d),

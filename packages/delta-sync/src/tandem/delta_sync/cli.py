@@ -13,12 +13,14 @@ STORE is a directory, file://DIR, s3://BUCKET/PREFIX or http(s)://HOST/PATH.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
 import numpy as np
+import structlog
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -238,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # this is the application entry point: library events go to stderr, stdout stays data
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
     try:
         return args.fn(args)
     except DeltaSyncError as e:
