@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.grpo.errors import GRPOError
+from tandem.grpo.numerics import as_float
 
 
 @dataclass
@@ -160,7 +161,7 @@ routing trace from ``micro_batch.extras`` and run the MoE with it.
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Log-probs [B, T] of ``input_ids`` under next-token ``logits`` [B, T, V] (position 0 = 0)."""
     b, t, v = logits.shape
-    shifted = logits[:, :-1].reshape(-1, v).float()
+    shifted = as_float(logits[:, :-1].reshape(-1, v))
     lp = -F.cross_entropy(shifted, input_ids[:, 1:].reshape(-1), reduction="none")
     return F.pad(lp.view(b, t - 1), (1, 0))
 
@@ -171,7 +172,7 @@ def token_entropy(logits: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
     Without ``grad`` it is a metric and costs no backward memory.
     """
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        logp = torch.log_softmax(as_float(logits[:, :-1]), dim=-1)
         ent = -(logp.exp() * logp).sum(-1)
         return F.pad(ent, (1, 0))
 
