@@ -1,0 +1,37 @@
+"""The pipeline commands: the demo config loads, bad values fail at start with their key."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from tandem.app.cli import COMMANDS, main
+
+DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+
+
+def test_demo_reads_configs_demo_toml_by_default(capsys) -> None:
+    assert COMMANDS["demo"].default_config == str(DEMO)
+    assert main(["demo", "--dump-config"]) == 0
+    resolved = tomllib.loads(capsys.readouterr().out)
+    on_disk = tomllib.loads(DEMO.read_text())
+    assert resolved["model"]["hidden_size"] == on_disk["model"]["hidden_size"]
+    assert resolved["rl"]["mode"] == "async"
+    assert resolved["tasks"]["eval_seed"] != resolved["tasks"]["train_seed"]
+
+
+def test_out_of_range_value_names_its_key(capsys) -> None:
+    assert main(["train", "--set", "rl.group_size=1"]) == 2
+    err = capsys.readouterr().err
+    assert "rl" in err and "group_size" in err and "Traceback" not in err
+
+
+def test_unknown_section_key_is_rejected(capsys) -> None:
+    assert main(["demo", "--set", "trainer.loss.clip=0.3", "--dump-config"]) == 2
+    assert "unknown key `trainer.loss.clip`" in capsys.readouterr().err
+
+
+def test_eval_without_a_policy_says_what_to_do(tmp_path, capsys) -> None:
+    code = main(["eval", "--set", f"run.output_dir={tmp_path}", "--set", "logging.level=error"])
+    assert code == 2
+    assert "tandem midtrain" in capsys.readouterr().err
