@@ -22,7 +22,7 @@ values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(values)
 def test_codec_roundtrips_against_stdlib_json(value: object) -> None:
     assert supervisor.loads(json.dumps(value)) == value  # host -> supervisor (ASCII escapes)

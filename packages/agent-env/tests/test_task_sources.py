@@ -195,7 +195,6 @@ def test_swebench_pytest_records_with_a_bound_site_packages(
         m["content"] for m in trajs[0].messages if m["role"] == "tool" and "passed" in m["content"]
     )
     assert "1 passed" in run_tests_output  # the visible suite: the hidden test is not there
-    assert _rewards(submit_at_once, tasks, cfg) == [0.0]
 
 
 def test_bad_records_explain_what_is_wrong(tmp_path: Path) -> None:

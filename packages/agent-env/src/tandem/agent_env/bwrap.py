@@ -49,6 +49,22 @@ def find_bwrap(configured: str = "") -> str:
     )
 
 
+def sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
+    """The whole environment of sandboxed processes (the host's is never passed on)."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "USER": "agent",
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        "PAGER": "cat",
+        "GIT_PAGER": "cat",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **cfg.env,
+    }
+
+
 def base_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path) -> list[str]:
     """Arguments common to every sandbox (everything but the workspace and the command)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(UID), "--gid", str(UID)]
@@ -76,18 +92,7 @@ def base_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path) -> list[str]:
     args += ["--dev", "/dev", "--proc", "/proc"]
     args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/tmp"]
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": "/tmp",
-        "USER": "agent",
-        "LANG": "C.UTF-8",
-        "TERM": "dumb",
-        "PAGER": "cat",
-        "GIT_PAGER": "cat",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONUNBUFFERED": "1",
-        **cfg.env,
-    }
+    env = sandbox_env(cfg)
     args += ["--clearenv"]
     for k, v in env.items():
         args += ["--setenv", k, v]

@@ -167,11 +167,7 @@ class Env:
             return await self._exec({"op": "exec", "cmd": self.task.visible_test_command})
         if name == "submit":
             return Observation("submitted"), {}
-        if name == "read_file":
-            return await self._file_op({"op": "read_file", **args})
-        if name == "search":
-            return await self._file_op({"op": "search", **args})
-        return await self._file_op({"op": name, **args})
+        return await self._file_op({"op": name, **args})  # read_file, search, list_dir, edit, ...
 
     # -- episode -------------------------------------------------------------------------
 

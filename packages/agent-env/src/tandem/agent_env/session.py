@@ -1,8 +1,9 @@
 """One running sandbox with its supervisor, and one-shot sandboxed runs (grading).
 
-The episode's writes go to an upper directory on the host (RAM-backed, charged to the
-episode's memory cgroup), so the sandbox can be killed and restarted without losing the
-workspace, and grading can stack that directory between the base and the hidden tests.
+The episode's writes go to an overlay upper directory on its own size-capped tmpfs (see
+``mounts``), outside the sandbox's lifetime, so the sandbox can be killed and restarted
+without losing the workspace, and grading can stack that directory between the base and the
+hidden tests.
 """
 
 from __future__ import annotations
@@ -33,22 +34,6 @@ _STREAM_LIMIT = 8 << 20
 
 class SessionLost(Exception):
     """The supervisor died or stopped answering (killed by the command, or an infra fault)."""
-
-
-def command_env(runtime: Runtime) -> dict[str, str]:
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": "/tmp",
-        "USER": "agent",
-        "LANG": "C.UTF-8",
-        "TERM": "dumb",
-        "PAGER": "cat",
-        "GIT_PAGER": "cat",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.update(runtime.config.env)
-    return env
 
 
 async def spawn(
@@ -105,7 +90,7 @@ class Session:
                 "cpu": lim.cpu_seconds,
                 "fsize": lim.file_size_bytes,
                 "nofile": lim.open_files,
-                "env": command_env(self.runtime),
+                "env": bw.sandbox_env(self.runtime.config),
             }
         )
 
