@@ -27,18 +27,29 @@ _lock = threading.Lock()
 _state: dict[str, object] = {"depth": 0, "library": None}
 
 
+# The kernels below run beneath autograd (torch records the graph with its own formulas),
+# so they call the graph-free blocked kernels directly.
+
+
 def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _mm.mm(a, b)
+    _mm._check(a, b, "mm")
+    return _mm.cuda_mm(a, b) if a.is_cuda else _mm.mm_blocks(a, b)
 
 
 def _addmm_impl(
     bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
 ) -> torch.Tensor:
-    return _mm.addmm(bias, a, b, beta=beta, alpha=alpha).to(a.dtype)
+    prod = _mm_impl(a, b)
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:
+        return prod
+    return prod + (bias if beta == 1 else bias * beta)
 
 
 def _bmm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _mm.bmm(a, b)
+    _mm._check(a, b, "bmm")
+    return _mm.cuda_bmm(a, b) if a.is_cuda else _mm.bmm_blocks(a, b)
 
 
 def _softmax_impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
@@ -46,10 +57,6 @@ def _softmax_impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tenso
 
 
 def _log_softmax_impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    if x.is_cuda and dim in (-1, x.dim() - 1) and not half_to_float:
-        from tandem.moe_determinism.kernels.dispatch import cuda_log_softmax
-
-        return cuda_log_softmax(x)
     return _red.log_softmax(x, dim, dtype=torch.float32 if half_to_float else None)
 
 

@@ -185,22 +185,24 @@ class MoEBlock(nn.Module):
         logits = F.linear(x.float(), self.gate.weight.float())  # fp32 router
         r = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay_ids)
         k = cfg.num_experts_per_tok
-        flat = r.ids.reshape(-1)
+        flat = r.ids.reshape(-1)  # [N * k] expert of each (token, slot)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=cfg.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=cfg.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        expert_of = flat[order]
+        rank = torch.arange(flat.numel(), device=x.device) - starts[expert_of]
+        # All experts in one batched GEMM: rows routed to expert e fill xe[e, :count_e].
+        # Each row's result depends only on the row and the expert's weights, so the padding
+        # and the other rows do not matter (under batch_invariant()).
+        cap = int(counts.max()) if flat.numel() else 0
+        xe = x.new_zeros(cfg.num_experts, cap, x.shape[-1])
+        xe[expert_of, rank] = x[order // k]
+        hidden = F.silu(torch.bmm(xe, self.gate_proj.transpose(1, 2))) * torch.bmm(
+            xe, self.up_proj.transpose(1, 2)
+        )
+        ye = torch.bmm(hidden, self.down_proj.transpose(1, 2))
         slots_out = x.new_zeros(flat.numel(), x.shape[-1])
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            assignment = order[start : start + count]
-            xe = x[assignment // k]
-            ye = F.linear(
-                F.silu(F.linear(xe, self.gate_proj[expert])) * F.linear(xe, self.up_proj[expert]),
-                self.down_proj[expert],
-            )
-            slots_out[assignment] = ye
-            start += count
+        slots_out[order] = ye[expert_of, rank]
         out = combine(slots_out.view(-1, k, x.shape[-1]), r.weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x).float()

@@ -19,14 +19,27 @@ import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
 
-ROW_BLOCK = {torch.float32: 32, torch.float64: 32, torch.bfloat16: 32, torch.float16: 32}
+
+def cuda_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    from tandem.moe_determinism.kernels.dispatch import cuda_mm as kernel
+
+    return kernel(a, b)
+
+
+def cuda_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    from tandem.moe_determinism.kernels.dispatch import cuda_bmm as kernel
+
+    return kernel(a, b)
+
+
+ROW_BLOCK = {torch.float32: 16, torch.float64: 16, torch.bfloat16: 16, torch.float16: 16}
 """Rows per fixed-shape GEMM. Small enough that a padded decode batch wastes little (small-M
 GEMM is bound by reading the weight), large enough that training-size products run close to
 BLAS speed."""
 
 
 def row_block(dtype: torch.dtype) -> int:
-    return ROW_BLOCK.get(dtype, 32)
+    return ROW_BLOCK.get(dtype, 16)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -41,15 +54,66 @@ def _check(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         )
 
 
+class _BlockedProduct(torch.autograd.Function):
+    """Autograd for the blocked GEMMs (the `out=` kernels they use do not record a graph).
+
+    Only the forward pass has to be invariant; gradients use torch's products."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b)
+        return bmm_blocks(a, b) if a.dim() == 3 else mm_blocks(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        ga = grad @ b.transpose(-1, -2) if ctx.needs_input_grad[0] else None
+        gb = a.transpose(-1, -2) @ grad if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+def _needs_graph(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+
+
+def fixed_shape_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One `torch.bmm` on operands whose per-matrix shape the caller keeps fixed.
+
+    Uses the `out=` kernel (not overridden by `batch_invariant()`, so no extra padding)
+    and still supports autograd."""
+    if _needs_graph(a, b):
+        return _FixedBmm.apply(a, b)
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    return torch.bmm(a, b, out=out)
+
+
+class _FixedBmm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b)
+        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+        return torch.bmm(a, b, out=out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        ga = torch.bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        gb = torch.bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[G, M, K] @ [G, K, N] with each row's reduction order independent of M."""
     if a.dim() != 3 or b.dim() != 3:
         raise MoEDeterminismError(f"bmm expects 3-D operands, got {a.dim()}-D and {b.dim()}-D")
     _check(a, b, "bmm")
     if a.is_cuda:
-        from tandem.moe_determinism.kernels.dispatch import cuda_bmm
-
         return cuda_bmm(a, b)
+    return _BlockedProduct.apply(a, b) if _needs_graph(a, b) else bmm_blocks(a, b)
+
+
+def bmm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel of `bmm` (no autograd graph)."""
     g, m, _ = a.shape
     n = b.shape[-1]
     r = row_block(a.dtype)
@@ -71,9 +135,12 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise MoEDeterminismError(f"mm expects 2-D operands, got {a.dim()}-D and {b.dim()}-D")
     _check(a, b, "mm")
     if a.is_cuda:
-        from tandem.moe_determinism.kernels.dispatch import cuda_mm
-
         return cuda_mm(a, b)
+    return _BlockedProduct.apply(a, b) if _needs_graph(a, b) else mm_blocks(a, b)
+
+
+def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel of `mm` (no autograd graph)."""
     m, _ = a.shape
     n = b.shape[1]
     r = row_block(a.dtype)

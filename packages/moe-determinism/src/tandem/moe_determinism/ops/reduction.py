@@ -38,6 +38,11 @@ def fixed_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Te
     if x.dim() == 0:
         return x.clone()
     moved = x.movedim(dim, -1)
+    if x.is_cuda:
+        from tandem.moe_determinism.kernels.dispatch import cuda_row_sum
+
+        out = cuda_row_sum(moved).to(x.dtype)
+        return out.unsqueeze(dim) if keepdim else out
     while moved.shape[-1] > CHUNK:
         moved = _pad_last(moved, CHUNK)
         moved = moved.reshape(*moved.shape[:-1], -1, CHUNK).sum(-1)
@@ -119,6 +124,10 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Log-softmax with a fixed-order log-sum-exp."""
     out_dtype = dtype or x.dtype
+    if x.is_cuda and dim in (-1, x.dim() - 1) and dtype in (None, x.dtype):
+        from tandem.moe_determinism.kernels.dispatch import cuda_log_softmax
+
+        return cuda_log_softmax(x)
     acc = x.to(dtype or _accumulate_dtype(x))
     m = acc.amax(dim, keepdim=True)
     shifted = acc - m
@@ -130,6 +139,10 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
 ) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32 (Qwen3 convention), cast back at the end."""
+    if x.is_cuda:
+        from tandem.moe_determinism.kernels.dispatch import cuda_rms_norm
+
+        return cuda_rms_norm(x, weight, eps)
     acc = x.to(_accumulate_dtype(x))
     variance = fixed_sum(acc * acc, -1, keepdim=True) / acc.shape[-1]
     y = acc * torch.rsqrt(variance + eps)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.ops.gemm import fixed_shape_bmm
 from tandem.moe_determinism.ops.reduction import fixed_sum, tree_sum
 
 Q_BLOCK = 16
@@ -145,8 +146,7 @@ def _attention_reference(
     blocks = b * hkv * n_rb * n_sp
     q_blk = qr.expand(b, hkv, n_rb, n_sp, Q_BLOCK, d).reshape(blocks, Q_BLOCK, d)
     k_blk = kp.expand(b, hkv, n_rb, n_sp, split, d).reshape(blocks, split, d)
-    scores = torch.empty(blocks, Q_BLOCK, split, dtype=q.dtype, device=q.device)
-    torch.bmm(q_blk, k_blk.transpose(1, 2), out=scores)  # fixed [Q_BLOCK, D] @ [D, split]
+    scores = fixed_shape_bmm(q_blk, k_blk.transpose(1, 2))  # fixed [Q_BLOCK, D] @ [D, split]
     scores = scores.to(acc_dtype).view(b, hkv, n_rb, n_sp, Q_BLOCK, split) * scale
 
     # Visibility of each (row, key): rows map back to queries by row % Tq.
@@ -163,8 +163,7 @@ def _attention_reference(
     denom = tree_sum(fixed_sum(p, -1), dim=3)  # [b, hkv, n_rb, Q_BLOCK]
 
     v_blk = vp.expand(b, hkv, n_rb, n_sp, split, dv).reshape(blocks, split, dv)
-    partial = torch.empty(blocks, Q_BLOCK, dv, dtype=q.dtype, device=q.device)
-    torch.bmm(p.to(q.dtype).reshape(blocks, Q_BLOCK, split), v_blk, out=partial)
+    partial = fixed_shape_bmm(p.to(q.dtype).reshape(blocks, Q_BLOCK, split), v_blk)
     partial = partial.to(acc_dtype).view(b, hkv, n_rb, n_sp, Q_BLOCK, dv)
     out = tree_sum(partial, dim=3) / denom[..., None]  # [b, hkv, n_rb, Q_BLOCK, dv]
     out = out.reshape(b, hkv, rows_p, dv)[:, :, :rows]

@@ -1,0 +1,224 @@
+"""Train/inference numerics of the reference MoE model: stock ops vs `batch_invariant()`.
+
+Prints, side by side in one run:
+1. log-prob mismatch and routing agreement between batched decoding (the inference
+   engine: sequences start at different times, KV cache, one token per step) and
+   single-sequence scoring (the trainer), with stock torch ops and with batch_invariant();
+2. the overhead of batch_invariant() over stock ops for a training step (forward with
+   router replay, backward, optimizer step) and for batched decoding.
+
+Usage: uv run python benchmarks/determinism.py [--quick] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+
+from tandem.moe_determinism import (
+    MoEConfig,
+    MoETransformer,
+    RouterReplay,
+    RoutingTrace,
+    batch_invariant,
+    compare_logprobs,
+    routing_agreement,
+    token_logprobs,
+)
+
+CONFIG = MoEConfig(
+    vocab_size=8192,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    moe_intermediate_size=256,
+    num_experts=16,
+    num_experts_per_tok=4,
+    kv_split_size=64,
+)
+
+
+def generate(model: MoETransformer, prompts: list[torch.Tensor], new_tokens: int, seed: int):
+    """Batched sampling with a KV cache; sequence i joins at step 2*i (staggered starts)."""
+    n = len(prompts)
+    cache = model.new_cache(max_slots=n, max_len=max(len(p) for p in prompts) + new_tokens + 1)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [p.tolist() for p in prompts]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    traces: list[list[RoutingTrace]] = [[] for _ in range(n)]
+    produced = [0] * n
+    pending: list[torch.Tensor | None] = [None] * n  # logits for the next token of each seq
+    step = 0
+    while any(c < new_tokens for c in produced):
+        joining = [i for i in range(n) if step == 2 * i]
+        active = [i for i in range(n) if pending[i] is not None and produced[i] < new_tokens]
+        # Sample from pending logits, then feed the sampled tokens (and new prompts) together.
+        feeds: list[tuple[int, list[int]]] = []
+        for i in active:
+            lp = torch.log_softmax(pending[i].float(), -1)
+            tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
+            logps[i].append(float(lp[tok]))
+            tokens[i].append(tok)
+            produced[i] += 1
+            if produced[i] < new_tokens:
+                feeds.append((i, [tok]))
+            else:
+                pending[i] = None
+        feeds += [(i, tokens[i]) for i in joining]
+        if feeds:
+            width = max(len(f) for _, f in feeds)
+            ids = torch.zeros(len(feeds), width, dtype=torch.long)
+            for j, (_, f) in enumerate(feeds):
+                ids[j, : len(f)] = torch.tensor(f)
+            out = model(
+                ids, lengths=[len(f) for _, f in feeds], cache=cache, slots=[i for i, _ in feeds]
+            )
+            for j, ((i, f), tr) in enumerate(zip(feeds, out.traces(), strict=True)):
+                pending[i] = out.logits[j, len(f) - 1]
+                traces[i].append(tr)
+        step += 1
+    # The last sampled token of each sequence was never fed: its route is not part of the trace.
+    return tokens, logps, [RoutingTrace.concat(t) for t in traces]
+
+
+def mismatch(model: MoETransformer, prompts, new_tokens: int, invariant: bool):
+    with torch.no_grad(), batch_invariant(invariant):
+        tokens, engine_lp, engine_tr = generate(model, prompts, new_tokens, seed=0)
+        a, b, ta, tb = [], [], [], []
+        for i, seq in enumerate(tokens):
+            ids = torch.tensor(seq)
+            out = model(ids[None, :-1])  # the trainer scores the sequence alone
+            lp = token_logprobs(out.logits[0], ids[1:])[len(prompts[i]) - 1 :]
+            a.append(lp)
+            b.append(torch.tensor(engine_lp[i], dtype=torch.float32))
+            ta.append(out.traces()[0])
+            tb.append(engine_tr[i])
+    lp = compare_logprobs(torch.cat(a), torch.cat(b))
+    ra = routing_agreement(RoutingTrace.concat(ta), RoutingTrace.concat(tb))
+    return lp, ra
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def train_step_time(
+    model: MoETransformer, batch: torch.Tensor, invariant: bool, repeats: int
+) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    with torch.no_grad(), batch_invariant(invariant):
+        traces = model(batch).traces()
+
+    def step() -> None:
+        with batch_invariant(invariant):
+            out = model(batch, routing=RouterReplay(traces, "R3"))
+            loss = -token_logprobs(out.logits[:, :-1], batch[:, 1:]).mean()
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _time(step, repeats)
+
+
+def decode_time(
+    model: MoETransformer, batch: int, prompt: int, steps: int, invariant: bool, repeats: int
+) -> float:
+    ids = torch.randint(
+        0, CONFIG.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1)
+    )
+
+    def run() -> None:
+        with torch.no_grad(), batch_invariant(invariant):
+            cache = model.new_cache(batch, prompt + steps)
+            out = model(ids, cache=cache, slots=list(range(batch)))
+            nxt = out.logits[:, -1].argmax(-1)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(nxt[:, None], cache=cache, slots=list(range(batch)))
+                nxt = out.logits[:, -1].argmax(-1)
+            run.decode_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+
+    best = float("inf")
+    run()
+    for _ in range(repeats):
+        run()
+        best = min(best, run.decode_s)  # type: ignore[attr-defined]
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = MoETransformer(CONFIG)
+    model.reset_parameters(seed=0)
+    model.eval()
+    n_seq, new_tokens, repeats = (4, 12, 1) if args.quick else (8, 32, 3)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(0, CONFIG.vocab_size, (int(l),), generator=gen)
+        for l in torch.randint(8, 48, (n_seq,), generator=gen)
+    ]
+    print(
+        f"model: {CONFIG.num_hidden_layers} layers, hidden {CONFIG.hidden_size}, {CONFIG.num_experts} experts "
+        f"top-{CONFIG.num_experts_per_tok}, vocab {CONFIG.vocab_size}; torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"workload: {n_seq} sequences, staggered starts, {new_tokens} sampled tokens each (fp32, CPU)\n"
+    )
+
+    rows = {}
+    for label, inv in (("stock ops", False), ("batch_invariant()", True)):
+        rows[label] = mismatch(model, prompts, new_tokens, inv)
+    print("1) batched decoding (engine) vs single-sequence scoring (trainer)")
+    print(f"{'':28}{'stock ops':>18}{'batch_invariant()':>20}")
+    s, b = rows["stock ops"], rows["batch_invariant()"]
+    for name, fmt, get in (
+        ("max |dlogprob|", "{:.3e}", lambda r: r[0].max_abs_diff),
+        ("mean |dlogprob|", "{:.3e}", lambda r: r[0].mean_abs_diff),
+        ("KL k1", "{:.3e}", lambda r: r[0].kl_k1),
+        ("KL k3", "{:.3e}", lambda r: r[0].kl_k3),
+        ("tokens with dlogprob != 0", "{:.2%}", lambda r: r[0].frac_tokens_differ),
+        ("routing agreement/decision", "{:.4%}", lambda r: r[1].per_decision),
+        ("routing agreement/token", "{:.4%}", lambda r: r[1].per_token),
+    ):
+        print(f"{name:28}{fmt.format(get(s)):>18}{fmt.format(get(b)):>20}")
+
+    print("\n2) overhead of batch_invariant() over stock ops (best of repeats)")
+    model.train()
+    batch = torch.randint(0, CONFIG.vocab_size, (4, 128) if args.quick else (8, 256), generator=gen)
+    t_stock = train_step_time(model, batch, False, repeats)
+    t_inv = train_step_time(model, batch, True, repeats)
+    model.eval()
+    dec_b, dec_p, dec_s = (4, 32, 8) if args.quick else (16, 128, 32)
+    d_stock = decode_time(model, dec_b, dec_p, dec_s, False, repeats)
+    d_inv = decode_time(model, dec_b, dec_p, dec_s, True, repeats)
+    print(f"{'':40}{'stock':>10}{'invariant':>12}{'ratio':>8}{'target':>8}")
+    print(
+        f"{f'training step ({tuple(batch.shape)} tokens, replay)':40}{t_stock:>9.3f}s{t_inv:>11.3f}s{t_inv / t_stock:>7.2f}x{'<=1.5x':>8}"
+    )
+    print(
+        f"{f'batched decode ({dec_b} seqs x {dec_s} steps)':40}{d_stock:>9.3f}s{d_inv:>11.3f}s{d_inv / d_stock:>7.2f}x{'<=2.0x':>8}"
+    )
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
