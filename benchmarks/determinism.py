@@ -173,8 +173,8 @@ def main() -> None:
     n_seq, new_tokens, repeats = (4, 12, 1) if args.quick else (8, 32, 3)
     gen = torch.Generator().manual_seed(2)
     prompts = [
-        torch.randint(0, CONFIG.vocab_size, (int(l),), generator=gen)
-        for l in torch.randint(8, 48, (n_seq,), generator=gen)
+        torch.randint(0, CONFIG.vocab_size, (int(length),), generator=gen)
+        for length in torch.randint(8, 48, (n_seq,), generator=gen)
     ]
     print(
         f"model: {CONFIG.num_hidden_layers} layers, hidden {CONFIG.hidden_size}, {CONFIG.num_experts} experts "
