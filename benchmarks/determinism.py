@@ -7,7 +7,11 @@ Prints, side by side in one run:
 2. the overhead of batch_invariant() over stock ops for a training step (forward with
    router replay, backward, optimizer step) and for batched decoding.
 
-Usage: uv run python benchmarks/determinism.py [--quick] [--threads N]
+With --gpu (run by scripts/gpu_check.sh on a CUDA machine) it instead checks the compiled
+Triton kernels: bitwise batch invariance for batch sizes 1..64 in fp32 and bf16, and their
+time against torch's stock CUDA ops (cuBLAS, fused norms, SDPA), plus the model table on GPU.
+
+Usage: uv run python benchmarks/determinism.py [--quick] [--threads N] [--gpu]
 """
 
 from __future__ import annotations
@@ -157,13 +161,126 @@ def decode_time(
     return best
 
 
+def _cuda_time(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats / 1e3
+
+
+def _row(name: str, dtype: torch.dtype, ok: object, stock_s: float, ours_s: float) -> None:
+    dt = str(dtype).removeprefix("torch.")
+    print(
+        f"{name:34}{dt:>10}{ok!s:>11}{stock_s * 1e3:>10.3f}{ours_s * 1e3:>11.3f}{ours_s / stock_s:>7.2f}x"
+    )
+
+
+def _gpu_dtype_checks(dtype: torch.dtype) -> int:
+    import torch.nn.functional as F
+
+    from tandem.moe_determinism import ops
+
+    dev = "cuda"
+    failures = 0
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(64, 4096, device=dev, generator=gen).to(dtype)
+    w = torch.randn(4096, 4096, device=dev, generator=gen).to(dtype)
+    big = torch.randn(8192, 4096, device=dev, generator=gen).to(dtype)
+    x = torch.randn(64, 151936, device=dev, generator=gen).to(dtype)
+    h = torch.randn(4096, 4096, device=dev, generator=gen).to(dtype)
+    cases = {
+        "matmul [m,4096]x[4096,4096]": (
+            a,
+            lambda t: ops.linear(t, w),
+            lambda: F.linear(big, w),
+            lambda: ops.linear(big, w),
+        ),
+        "log_softmax [m,151936]": (
+            x,
+            lambda t: ops.log_softmax(t, -1),
+            lambda: torch.log_softmax(x, -1),
+            lambda: ops.log_softmax(x, -1),
+        ),
+        "rms_norm [m,4096]": (
+            h[:64],
+            lambda t: ops.rms_norm(t, None),
+            lambda: F.rms_norm(h, (4096,)),
+            lambda: ops.rms_norm(h, None),
+        ),
+    }
+    for name, (inp, fn, stock, ours) in cases.items():
+        full = fn(inp)
+        ok = all(torch.equal(fn(inp[:m]), full[:m]) for m in range(1, inp.shape[0] + 1))
+        failures += not ok
+        _row(name, dtype, ok, _cuda_time(stock), _cuda_time(ours))
+
+    q = torch.randn(8, 32, 1024, 128, device=dev, generator=gen).to(dtype)
+    k = torch.randn(8, 4, 1024, 128, device=dev, generator=gen).to(dtype)
+    v = torch.randn(8, 4, 1024, 128, device=dev, generator=gen).to(dtype)
+    full = ops.attention(q, k, v, kv_split_size=64)
+
+    def decode_ok(p: int) -> bool:
+        one = ops.attention(
+            q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], kv_split_size=64
+        )
+        alone = ops.attention(
+            q[:1, :, p : p + 1], k[:1, :, : p + 1], v[:1, :, : p + 1], kv_split_size=64
+        )
+        return torch.equal(one[:, :, 0], full[:, :, p]) and torch.equal(
+            alone[:, :, 0], full[:1, :, p]
+        )
+
+    ok = all(decode_ok(p) for p in (0, 1, 63, 64, 65, 500, 1023))
+    failures += not ok
+    ts = _cuda_time(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    )
+    to = _cuda_time(lambda: ops.attention(q, k, v, kv_split_size=64))
+    _row("attention prefill 8x32x1024x128", dtype, ok, ts, to)
+    qd = q[:, :, -1:]
+    ts = _cuda_time(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True))
+    to = _cuda_time(lambda: ops.attention(qd, k, v, kv_split_size=64))
+    _row("attention decode 8x32x1x1024", dtype, "", ts, to)
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
+    )
+    err = (full.float() - ref).abs().max().item()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    if err > tol:
+        failures += 1
+        print(f"attention differs from SDPA by {err:.2e} (> {tol})")
+    return failures
+
+
+def gpu_checks() -> int:
+    """Compiled Triton kernels: invariance (bitwise, m = 1..64) and speed vs stock CUDA ops."""
+    if not torch.cuda.is_available():
+        print("--gpu: no CUDA device visible to torch")
+        return 1
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(
+        f"{'kernel':34}{'dtype':>10}{'invariant':>11}{'stock ms':>10}{'triton ms':>11}{'ratio':>8}"
+    )
+    failures = sum(_gpu_dtype_checks(dtype) for dtype in (torch.float32, torch.bfloat16))
+    print(f"\nGPU kernel checks: {'all passed' if not failures else f'{failures} FAILED'}")
+    return 1 if failures else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--gpu", action="store_true", help="check the compiled Triton kernels on CUDA")
     args = ap.parse_args()
+    if args.gpu:
+        raise SystemExit(gpu_checks())
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
