@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tandem.moe_determinism.errors import MoEDeterminismError
 
-NEG_BIG = -1.0e30  # masked score: exp(NEG_BIG - m) == 0 exactly, and never NaN
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # masked score: exp(NEG_BIG - m) == 0, never NaN
 
 
 def _matmul_tiles(device: torch.device) -> tuple[int, int, int, int]:

@@ -62,6 +62,8 @@ class _BlockedProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(a, b)
+        if a.is_cuda:
+            return cuda_bmm(a, b) if a.dim() == 3 else cuda_mm(a, b)
         return bmm_blocks(a, b) if a.dim() == 3 else mm_blocks(a, b)
 
     @staticmethod
@@ -107,9 +109,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dim() != 3 or b.dim() != 3:
         raise MoEDeterminismError(f"bmm expects 3-D operands, got {a.dim()}-D and {b.dim()}-D")
     _check(a, b, "bmm")
+    if _needs_graph(a, b):
+        return _BlockedProduct.apply(a, b)
     if a.is_cuda:
         return cuda_bmm(a, b)
-    return _BlockedProduct.apply(a, b) if _needs_graph(a, b) else bmm_blocks(a, b)
+    return bmm_blocks(a, b)
 
 
 def bmm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -134,9 +138,11 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dim() != 2 or b.dim() != 2:
         raise MoEDeterminismError(f"mm expects 2-D operands, got {a.dim()}-D and {b.dim()}-D")
     _check(a, b, "mm")
+    if _needs_graph(a, b):
+        return _BlockedProduct.apply(a, b)
     if a.is_cuda:
         return cuda_mm(a, b)
-    return _BlockedProduct.apply(a, b) if _needs_graph(a, b) else mm_blocks(a, b)
+    return mm_blocks(a, b)
 
 
 def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
