@@ -54,7 +54,9 @@ def transfer_progress(total: int, phases: tuple[str, ...]):
         console=console,
         transient=False,
     ) as bar:
-        tasks = {p: bar.add_task(p, total=total if p != "upload" else None) for p in phases}
+        # a publish encodes one pass per payload and uploads an unknown number of bytes
+        sized = ("download", "mirror")
+        tasks = {p: bar.add_task(p, total=total if p in sized else None) for p in phases}
         yield lambda phase, n: bar.advance(tasks[phase], n) if phase in tasks else None
 
 
