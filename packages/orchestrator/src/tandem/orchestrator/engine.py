@@ -128,6 +128,12 @@ class InferenceEngine:
                 raise EngineError(f"slot {slot} is still generating")
             self._free.append(slot)
 
+    def cancel(self, slot: int) -> None:
+        """Forget any turn ``slot`` is generating (its episode was abandoned)."""
+        with self._lock:
+            self._active.pop(slot, None)
+            self._incoming = [a for a in self._incoming if a.slot != slot]
+
     def context_length(self, slot: int) -> int:
         return int(self.cache.lengths[slot])
 
@@ -249,7 +255,7 @@ class InferenceEngine:
 
     def _finish(self, a: _Active, *, truncated: bool) -> TurnOutput:
         with self._lock:
-            del self._active[a.slot]
+            self._active.pop(a.slot, None)
         return TurnOutput(
             tokens=a.tokens,
             logprobs=a.logprobs,

@@ -12,6 +12,7 @@ well-formed call becomes an error observation that costs the turn.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -156,7 +157,7 @@ async def run_episode(
         traj = env.trajectory()
     finally:
         server.release(slot)
-        await env.close()
+        await asyncio.shield(env.close())
     if termination:
         reward, resolved, infra = 0.0, False, False
     else:

@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 import torch
 
+from tandem.agent_env import SandboxError
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.buffer import Group, StalenessBuffer
 from tandem.orchestrator.chat_format import ChatFormat
@@ -159,7 +160,7 @@ class RLRun:
     # -- rollouts ----------------------------------------------------------------------------
     async def _play_group(self, index: int) -> Group[Sample] | None:
         task = self.tasks[index]
-        samples = await asyncio.gather(
+        results = await asyncio.gather(
             *(
                 run_episode(
                     self.server,
@@ -171,8 +172,16 @@ class RLRun:
                     generator=episode_generator(self.seed, index, j),
                 )
                 for j in range(self.rl.group_size)
-            )
+            ),
+            return_exceptions=True,
         )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            if not all(isinstance(e, SandboxError) for e in errors):
+                raise next(e for e in errors if not isinstance(e, SandboxError))
+            log.warning("rl.group_dropped", reason=f"sandbox: {errors[0]}", task=task.id)
+            return None
+        samples = [r for r in results if isinstance(r, Sample)]
         self.trajectories += len(samples)
         if self.hooks.reward is not None:
             for s in samples:

@@ -39,6 +39,9 @@ class EngineServer:
         return self.engine.acquire()
 
     def release(self, slot: int) -> None:
+        """Give the slot back, abandoning a turn still in flight (e.g. on cancellation)."""
+        if self._futures.pop(slot, None) is not None:
+            self.engine.cancel(slot)
         self.engine.release(slot)
         self._slots.release()
 

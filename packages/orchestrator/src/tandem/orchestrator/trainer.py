@@ -47,14 +47,16 @@ def collate(groups: Sequence[Sequence[Sample]]) -> RolloutBatch:
     attn = torch.zeros(b, t, dtype=torch.bool)
     mask = torch.zeros(b, t, dtype=torch.bool)
     lps = torch.zeros(b, t, dtype=torch.float32)
-    routes = torch.zeros(b, max(t - 1, 1), layers, top_k, dtype=torch.uint8)
+    wide = max(int(s.routes.max(initial=0)) for s in samples) > 255
+    route_dtype = torch.int32 if wide else torch.uint8
+    routes = torch.zeros(b, max(t - 1, 1), layers, top_k, dtype=route_dtype)
     for i, s in enumerate(samples):
         n = len(s.tokens)
         ids[i, :n] = torch.tensor(s.tokens)
         attn[i, :n] = True
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         lps[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        routes[i, : n - 1] = torch.from_numpy(s.routes.astype(np.uint8))
+        routes[i, : n - 1] = torch.from_numpy(s.routes.astype(np.int64)).to(route_dtype)
     group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], dtype=torch.long)
     return RolloutBatch(
         input_ids=ids,
