@@ -94,12 +94,39 @@ def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty(),
     )
     save_policy(model, config.run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
+    _train_report(config, rl_dir, summary)
     print(
         f"RL: {summary.steps_done} steps, policy version {summary.policy_version}, "
         f"{summary.trajectories} trajectories in {summary.wall_s:.0f} s; "
         f"metrics in {rl_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+def _train_report(config: PipelineConfig, rl_dir: Path, summary: Any) -> None:
+    """reward_curve.png and report.md next to the RL metrics."""
+    from tandem.orchestrator.report import fmt, plot_rewards, write_report
+
+    image = plot_rewards(rl_dir / "metrics.jsonl", rl_dir / "reward_curve.png")
+    last = summary.last_metrics
+    rows = [
+        ("steps / policy version", f"{summary.steps_done} / {summary.policy_version}"),
+        ("trajectories", str(summary.trajectories)),
+        ("last reward / pass rate", f"{fmt(last.get('reward'))} / {fmt(last.get('pass_rate'))}"),
+        ("trainer idle fraction", fmt(summary.trainer_idle_fraction, ".2f")),
+        ("dropped stale groups", str(summary.dropped_stale)),
+        ("staleness histogram", str(summary.staleness_histogram)),
+        ("last mismatch max |Δ| (same version)", fmt(last.get("mismatch_max_abs"), ".3g")),
+        ("last routing agreement without replay", fmt(last.get("routing_agreement_free"), ".4f")),
+        ("wall time", f"{summary.wall_s:.0f} s"),
+    ]
+    write_report(
+        rl_dir / "report.md",
+        title=f"tandem RL run {config.run.name}",
+        rows=rows,
+        config_toml=dump_config(config),
+        image=image.name,
+    )
 
 
 def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
