@@ -146,15 +146,51 @@ def unpack_small(packed: np.ndarray, count: int) -> np.ndarray:
     return ((packed[:, None] >> shifts) & 3).reshape(-1)[:count]
 
 
+def _encode_gaps(gaps: np.ndarray, level: int) -> tuple[int, list[bytes]]:
+    """(gap_width code, frames): the low byte plane, then, when any gap exceeds 255, the
+    high part (gap >> 8) as packed 2-bit codes plus escape planes.
+
+    At low densities the high part is mostly 0 or 1; packing it keeps the position cost
+    close to the entropy of the changed mask instead of paying Huffman's one bit per byte.
+    gap_width is 1 without a high part, else 2 + the width of its escape planes.
+    """
+    cctx = _cctx(level)
+    frames = [cctx.compress(np.ascontiguousarray(gaps.astype(np.uint8)).data)]
+    if int(gaps.max(initial=0)) < 256:
+        return 1, frames
+    packed, escapes = pack_small(gaps >> np.uint32(8))
+    hw = _width_of(escapes.max()) if escapes.size else 0
+    frames.append(cctx.compress(packed.data))
+    if hw:
+        frames += _compress_planes(escapes, hw, level)
+    return 2 + hw, frames
+
+
+def _gap_frames(gap_width: int) -> int:
+    return 1 if gap_width == 1 else gap_width
+
+
+def _decode_gaps(gap_width: int, frames: list[memoryview], k: int, where: str) -> np.ndarray:
+    gaps = _decompress_planes(frames[:1], k, 4, where)
+    if gap_width >= 2:
+        high = unpack_small(_decompress_planes(frames[1:2], (k + 3) // 4, 1, where), k)
+        high = high.astype(np.uint32)
+        if gap_width > 2:
+            esc = high == 3
+            high[esc] += _decompress_planes(frames[2:gap_width], int(esc.sum()), 4, where)
+        gaps |= high << np.uint32(8)
+    return gaps
+
+
 def encode_sparse(
     chunk: int, idx: np.ndarray, old: np.ndarray, new: np.ndarray, level: int
 ) -> EncodedChunk:
     gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint32)
     v = zigzag(new - old) - new.dtype.type(1)  # changed elements have a nonzero difference
     packed, escapes = pack_small(v)
-    gw = _width_of(gaps.max())
+    gw, frames = _encode_gaps(gaps, level)
     ew = _width_of(escapes.max()) if escapes.size else 0
-    frames = [*_compress_planes(gaps, gw, level), _cctx(level).compress(packed.data)]
+    frames.append(_cctx(level).compress(packed.data))
     if ew:
         frames += _compress_planes(escapes, ew, level)
     return EncodedChunk(chunk, SPARSE, int(idx.size), gw, ew, frames)
@@ -229,18 +265,20 @@ def decode_sparse(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(positions relative to the chunk start, signed differences mod 2^bits)."""
     gw, ew, k = rec.gap_width, rec.value_width, rec.count
-    if len(frames) != gw + 1 + ew or not 1 <= gw <= 4 or ew > itemsize or k > n:
+    if not 1 <= gw <= 6 or ew > itemsize or k > n:
+        raise IntegrityError(f"{where}: malformed sparse chunk (widths {gw}/{ew}, {k} of {n})")
+    ng = _gap_frames(gw)
+    if len(frames) != ng + 1 + ew:
         raise IntegrityError(f"{where}: malformed sparse chunk ({len(frames)} frames)")
-    gaps = _decompress_planes(frames[:gw], k, 4, where)
+    gaps = _decode_gaps(gw, frames[:ng], k, where)
     idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
     if k and idx[-1] >= n:
         raise IntegrityError(f"{where}: change position {int(idx[-1])} beyond chunk of {n}")
-    packed = _decompress_planes([frames[gw]], (k + 3) // 4, 1, where)
+    packed = _decompress_planes([frames[ng]], (k + 3) // 4, 1, where)
     v = unpack_small(packed, k).astype(UINT_BY_WIDTH[itemsize])
     if ew:
         esc = v == 3
-        n_esc = int(np.count_nonzero(esc))
-        v[esc] += _decompress_planes(frames[gw + 1 :], n_esc, itemsize, where)
+        v[esc] += _decompress_planes(frames[ng + 1 :], int(np.count_nonzero(esc)), itemsize, where)
     elif k and int(v.max()) >= 3:
         raise IntegrityError(f"{where}: escape codes without an escape stream")
     return idx, unzigzag(v + v.dtype.type(1))
