@@ -118,7 +118,7 @@ def test_file_tools_read_ranges_edit_once_and_search(config: EnvConfig) -> None:
     assert "tests/test_calc.py" in out[5].splitlines()
     assert "wrote 6 bytes to pkg/new.py" in out[6]
     assert "X = 1" in out[7] and "/workspace/tests" in out[7]
-    assert out[8].startswith("/workspace\n")  # each bash call starts fresh in the repository root
+    assert out[8].startswith("/workspace/tests\n")  # one persistent shell: `cd` carries over
     assert "no such file" in out[9]
 
 

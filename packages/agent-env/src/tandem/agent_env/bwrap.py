@@ -8,6 +8,7 @@ further user namespaces, a cleared environment, a new session and death with the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -110,6 +111,37 @@ def workspace_args(lowers: list[str], upper: str | None, work: str | None) -> li
     else:
         args += ["--tmp-overlay", WORKSPACE]
     return [*args, "--remount-ro", "/", "--chdir", WORKSPACE]
+
+
+def tool_argv(
+    python: str, module: str, tools_dir: str, flags: tuple[str, ...] = ("-I", "-S")
+) -> list[str]:
+    """Run ``<tools_dir>/<module>.py``'s ``main()`` by importing it, not as a script.
+
+    A script is compiled on every start; an imported module loads its cached bytecode
+    (see :func:`precompile`), which saves ~20 ms of CPU per sandbox start. The tools' directory
+    leaves ``sys.path`` and ``sys.modules`` before ``main()`` runs, so workspace code cannot
+    import the tools' modules by accident.
+    """
+    code = (
+        f"import sys; sys.path.insert(0, {tools_dir!r}); import {module} as m; "
+        f"del sys.path[0], sys.modules[{module!r}]; m.main()"
+    )
+    return [python, *flags, "-c", code]
+
+
+@functools.cache
+def precompile(python: str) -> None:
+    """Write the tools' bytecode for the sandbox's interpreter (best effort: the package's
+    directory may be read-only, then each start compiles them, which is only slower)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(
+            [python, "-I", "-m", "compileall", "-q", str(SANDBOX_DIR)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+        )
 
 
 def write_etc(etc_dir: Path) -> None:

@@ -141,6 +141,13 @@ class Env:
         if code < 0 and not res["timed_out"] and not res["output_limit"]:
             notes.append(f"killed by {os_signal_name(code)}")
         notes.append(f"exit code {code}")
+        if res.get("shell_restarted"):
+            notes.append(
+                "the shell "
+                + ("exited" if res.get("shell_exited") else "was killed")
+                + f"; a new one will start in {res.get('cwd')} with the exported variables "
+                "(files are kept, background processes are gone)"
+            )
         text = (
             (res["output"].rstrip("\n") + "\n" if res["output"] else "")
             + "["
@@ -162,7 +169,7 @@ class Env:
         self, name: str, args: dict[str, Any]
     ) -> tuple[Observation, dict[str, Any]]:
         if name == "bash":
-            return await self._exec({"op": "exec", "cmd": args["command"]})
+            return await self._exec({"op": "shell", "cmd": args["command"]})
         if name == "run_tests":
             return await self._exec({"op": "exec", "cmd": self.task.visible_test_command})
         if name == "submit":

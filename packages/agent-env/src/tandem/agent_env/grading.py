@@ -57,7 +57,7 @@ async def grade(
         "paths": list(runtime.config.python_paths),
     }
     # unittest needs only the standard library: skip site-packages (and its .pth files) then
-    flags = ["-I", "-S"] if task.hidden_tests.framework == "unittest" else ["-I"]
+    flags = ("-I", "-S") if task.hidden_tests.framework == "unittest" else ("-I",)
     cgroup = None
     if runtime.sandboxed:
         assert runtime.cgroups is not None
@@ -68,13 +68,15 @@ async def grade(
         argv = runtime.base_argv + bw.workspace_args(
             [*session.final_layers(), str(hidden)], None, None
         )
-        argv += [runtime.config.python, *flags, f"{bw.TOOLS_MOUNT}/runner.py", json.dumps(spec)]
+        argv += bw.tool_argv(runtime.config.python, "runner", bw.TOOLS_MOUNT, flags)
+        argv.append(json.dumps(spec))
     else:
         tree = session.dir / "grade"
         await asyncio.to_thread(shutil.copytree, session.final_layers()[0], tree, symlinks=True)
         await asyncio.to_thread(shutil.copytree, hidden, tree, symlinks=True, dirs_exist_ok=True)
         spec["workspace"] = str(tree)
-        argv = [runtime.config.python, *flags, str(bw.SANDBOX_DIR / "runner.py"), json.dumps(spec)]
+        argv = bw.tool_argv(runtime.config.python, "runner", str(bw.SANDBOX_DIR), flags)
+        argv.append(json.dumps(spec))
     try:
         proc = await spawn(runtime, argv, cgroup, subprocess.PIPE)
     except OSError as e:

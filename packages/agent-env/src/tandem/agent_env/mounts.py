@@ -43,6 +43,8 @@ for line in sys.stdin:
             opts = ("size=%d,mode=0755" % req["size"]).encode()
             check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", 2 | 4, opts), "mount tmpfs")
             os.mkdir(os.path.join(path, "upper"))
+            for d in req.get("dirs", []):
+                os.mkdir(os.path.join(path, d))
         elif req["op"] == "mkdir":
             os.mkdir(path)
         elif req["op"] == "umount":
@@ -103,8 +105,11 @@ class MountHelper:
                 f"workspace mount helper: {req['op']} {req['path']}: {resp.get('error')}"
             )
 
-    async def call(self, op: str, path: str, size: int = 0) -> None:
-        await asyncio.to_thread(self._call, {"op": op, "path": path, "size": size})
+    async def call(self, op: str, path: str, size: int = 0, dirs: tuple[str, ...] = ()) -> None:
+        """``mount`` (a tmpfs of ``size`` bytes with ``upper`` and ``dirs`` in it), ``mkdir``
+        or ``umount``; one round trip each."""
+        req = {"op": op, "path": path, "size": size, "dirs": list(dirs)}
+        await asyncio.to_thread(self._call, req)
 
     def close(self) -> None:
         if self._proc.poll() is None:

@@ -77,6 +77,7 @@ class Runtime:
                 self.cgroups = CgroupManager(config.cgroup_root)
                 self.mounts = MountHelper(sys.executable)
             bw.write_etc(self.root / "etc")
+            bw.precompile(config.python if sandboxed else sys.executable)
         except BaseException:
             self.close()
             raise

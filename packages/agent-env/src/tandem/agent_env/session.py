@@ -91,6 +91,7 @@ class Session:
                 "fsize": lim.file_size_bytes,
                 "nofile": lim.open_files,
                 "env": bw.sandbox_env(self.runtime.config),
+                "pid_namespace": self.runtime.sandboxed,
             }
         )
 
@@ -101,20 +102,21 @@ class Session:
         if rt.sandboxed:
             assert rt.cgroups is not None and rt.mounts is not None
             lim = self.limits
-            if not self._mounted:
-                await rt.mounts.call("mount", str(self.disk), lim.disk_bytes)
-                self._mounted = True
             work = self.disk / f"work{self.starts}"
-            await rt.mounts.call("mkdir", str(work))
+            if not self._mounted:
+                await rt.mounts.call("mount", str(self.disk), lim.disk_bytes, (work.name,))
+                self._mounted = True
+            else:
+                await rt.mounts.call("mkdir", str(work))
             if self.cgroup is None:  # kept across restarts: files written stay charged
                 mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
                 self.cgroup = await asyncio.to_thread(rt.cgroups.create, mem, lim.pids)
             argv = rt.base_argv + bw.workspace_args([str(self.base)], str(self.upper), str(work))
-            argv += [rt.config.python, "-I", "-S", f"{bw.TOOLS_MOUNT}/supervisor.py"]
+            argv += bw.tool_argv(rt.config.python, "supervisor", bw.TOOLS_MOUNT)
         else:
             if not self.workspace.exists():
                 await asyncio.to_thread(shutil.copytree, self.base, self.workspace, symlinks=True)
-            argv = [sys.executable, "-I", "-S", str(bw.SANDBOX_DIR / "supervisor.py")]
+            argv = bw.tool_argv(sys.executable, "supervisor", str(bw.SANDBOX_DIR))
         argv.append(self._supervisor_config())
         errlog = open(self.dir / f"stderr{self.starts}", "wb")  # noqa: SIM115 - closed in stop()
         try:

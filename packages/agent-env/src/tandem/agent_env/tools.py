@@ -50,8 +50,9 @@ def _fn(name: str, description: str, props: dict[str, Any], required: list[str])
 TOOL_SCHEMAS: list[dict[str, Any]] = [
     _fn(
         "bash",
-        "Run a shell command in the repository root (a fresh bash each call; files persist, "
-        "`cd` and variables do not). No network. Output is truncated in the middle when long.",
+        "Run a command in a persistent bash session that starts in the repository root: the "
+        "working directory, variables and functions carry over between calls, background "
+        "processes end with the call. No network. Output is truncated in the middle when long.",
         {"command": {**_STR, "description": "the command line"}},
         ["command"],
     ),

@@ -4,12 +4,22 @@ Results go to the original stdout; everything the tests print goes to stderr. Th
 appended to ``sys.path`` *after* the standard library (the interpreter runs with ``-I``), so a
 module the agent wrote cannot shadow ``unittest`` or other stdlib modules.
 
-Stdlib only (pytest is imported only for pytest-style tasks).
+Stdlib only (pytest is imported only for pytest-style tasks). It starts once per graded
+episode, so it uses the supervisor's small JSON codec: ``json`` imports ``re``, ``enum`` and
+more, which costs about as much as the interpreter's own start-up.
 """
 
-import json
 import os
 import sys
+
+try:
+    from .jsonlite import dumps, loads
+except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from jsonlite import dumps, loads
+
+    del sys.path[0]
+    sys.modules.pop("jsonlite", None)  # a workspace module may have that name
 
 # Set by main(); importing this module has no side effects.
 SPEC = {}
@@ -17,7 +27,7 @@ RESULTS = sys.stderr
 
 
 def report(test_id, status, detail=""):
-    RESULTS.write(json.dumps({"id": test_id, "status": status, "detail": detail[-2000:]}) + "\n")
+    RESULTS.write(dumps({"id": test_id, "status": status, "detail": detail[-2000:]}) + "\n")
 
 
 def run_unittest(ids):
@@ -67,7 +77,7 @@ def run_pytest(ids):
     try:
         import pytest
     except ImportError as e:
-        RESULTS.write(json.dumps({"fatal": f"pytest is not importable in the sandbox: {e}"}) + "\n")
+        RESULTS.write(dumps({"fatal": f"pytest is not importable in the sandbox: {e}"}) + "\n")
         return
 
     outcomes = {}
@@ -92,7 +102,7 @@ def run_pytest(ids):
 
 def main():
     global SPEC, RESULTS
-    SPEC = json.loads(sys.argv[1])
+    SPEC = loads(sys.argv[1])
     RESULTS = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -102,7 +112,7 @@ def main():
     site = [i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))]
     sys.path.insert(site[0] if site else len(sys.path), SPEC["workspace"])
     sys.path.extend(SPEC.get("paths", []))
-    RESULTS.write(json.dumps({"started": True}) + "\n")
+    RESULTS.write(dumps({"started": True}) + "\n")
     ids = SPEC["ids"]
     framework = SPEC.get("framework", "unittest")
     if framework == "pytest":
@@ -110,8 +120,8 @@ def main():
     elif framework == "unittest":
         run_unittest(ids)
     else:
-        RESULTS.write(json.dumps({"fatal": f"unknown test framework {framework!r}"}) + "\n")
-    RESULTS.write(json.dumps({"done": True}) + "\n")
+        RESULTS.write(dumps({"fatal": f"unknown test framework {framework!r}"}) + "\n")
+    RESULTS.write(dumps({"done": True}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Per-episode supervisor: runs inside the sandbox, serves tool requests over stdin/stdout.
 
 One long-lived process per episode keeps tool latency at a fork+exec per command instead of a
-sandbox start per command. Protocol: one JSON object per line in each direction. Each shell
-command runs in a fresh ``bash -c`` in its own session (process group) with per-command rlimits,
-a wall deadline and a cap on how much output is read; file tools run here directly and refuse
-any path that resolves outside the workspace.
+sandbox start per command. Protocol: one JSON object per line in each direction. The ``bash``
+tool runs in the episode's persistent shell (``shell.py``); other commands (visible tests,
+search) run in a fresh ``bash -c`` or exec in their own session with per-command rlimits; both
+have a wall deadline and a cap on how much output is read. File tools run here directly and
+refuse any path that resolves outside the workspace.
 
 Stdlib only, Python >= 3.8: this runs on the sandbox's system interpreter. It starts once per
 episode, so it avoids heavy imports (json pulls in re, enum, collections: more than the
@@ -20,15 +21,18 @@ import time
 
 try:
     from .jsonlite import dumps, loads
+    from .shell import Shell
 except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from jsonlite import dumps, loads
+    from shell import Shell
 
 # Set by main() from the JSON config in argv[1]; importing this module has no side effects.
 CFG = {}
 WS = "/workspace"
 SHELL = "/bin/bash"
 ENV = {}
+SHELLS = []  # the episode's persistent shell, started on first use
 
 
 class ToolFailure(Exception):
@@ -144,6 +148,19 @@ def run(req):
         "bytes": total,
         "seconds": time.monotonic() - t0,
     }
+
+
+def shell(req):
+    """Run a command in the episode's persistent shell (state kept between calls)."""
+    if not SHELLS:
+        SHELLS.append(Shell(SHELL, WS, ENV, CFG.get("cpu"), CFG.get("pid_namespace")))
+    return SHELLS[0].run(
+        req["cmd"],
+        float(req.get("timeout", CFG.get("timeout", 30))),
+        int(req.get("head", CFG.get("head", 5000))),
+        int(req.get("tail", CFG.get("tail", 5000))),
+        int(CFG.get("max_stream", 16 << 20)),
+    )
 
 
 def _killpg(pid):
@@ -298,6 +315,7 @@ def search(req):
 OPS = {
     "search": search,
     "exec": run,
+    "shell": shell,
     "read_file": read_file,
     "write_file": write_file,
     "edit": edit,
@@ -331,6 +349,8 @@ def main():
         except (KeyError, IndexError, TypeError, ValueError, UnicodeError) as e:
             resp = {"ok": False, "error": f"bad request: {type(e).__name__}: {e}"}
         out.write(dumps(resp) + "\n")
+    for sh in SHELLS:
+        sh.close()
 
 
 if __name__ == "__main__":

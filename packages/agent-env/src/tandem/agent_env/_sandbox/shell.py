@@ -1,0 +1,289 @@
+"""A persistent bash per episode, driven by the supervisor: terminal semantics, cheap commands.
+
+Starting ``bash -c`` costs ~5 ms of CPU per command (exec, dynamic linking, start-up); a shell
+that stays up runs a builtin such as ``echo`` with no fork at all and anything else with one
+fork+exec, and keeps what a user of a terminal expects: the working directory, variables and
+functions persist between calls.
+
+Protocol with the shell (fds 63 and 62, closed for the commands themselves): the supervisor
+writes ``<byte length>\\n<command>`` to fd 63; the shell ``eval``s it with stdin from /dev/null
+and stdout+stderr to the output pipe, then writes ``status\\0cwd\\0`` and ``export -p`` and a
+final ``\\0`` to fd 62. After each command every other process in the sandbox (background jobs,
+daemons, the remains of a fork bomb) is killed, as a fresh ``bash -c`` per call used to do.
+
+A command that exits, kills or wedges the shell (``exit``, ``kill -9 $$``, a timeout, too much
+output) gets it restarted in the last known working directory with the last exported
+variables; files are kept (they live in the workspace).
+"""
+
+import _signal as signal
+import os
+import resource
+import select
+import time
+
+_CTL, _STATUS = 63, 62
+# Runs inside bash; `builtin` guards against user functions named read/eval/printf. The length
+# is in bytes, so `read -N` runs in the C locale (the command itself runs in the user's).
+_LOOP = (
+    "while builtin read -r -u 63 __tandem_n; do "
+    'IFS= LC_ALL=C builtin read -r -N "$__tandem_n" -u 63 __tandem_c; '
+    'builtin eval "$__tandem_c" </dev/null 62>&- 63>&-; __tandem_s=$?; '
+    "builtin disown -a; "  # its background jobs are killed next: no "Killed" notices later
+    'builtin printf \'%s\\0%s\\0\' "$__tandem_s" "$PWD" >&62; '
+    "builtin export -p >&62; builtin printf '\\0' >&62; "
+    "done"
+)
+
+
+def _kill(pid, sig):
+    try:  # noqa: SIM105 - contextlib is a costly import here
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Shell:
+    """One bash process in its own session; ``run`` executes a command in it."""
+
+    def __init__(self, shell, workspace, env, cpu_s, pid_namespace):
+        self.argv = [shell, "--norc", "--noprofile", "-c", _LOOP]
+        self.ws = workspace
+        self.env = env
+        self.cpu_s = cpu_s
+        # kill(-1) and the /proc sweep are only safe when this sandbox has its own pid
+        # namespace (and we are not root): unsandboxed, they would reach the host's processes
+        self.own_pids = bool(pid_namespace) and os.getuid() != 0
+        self.pid = 0
+        self.cwd = workspace
+        self.exports = ""
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _spawn(self):
+        ctl_r, self.ctl = os.pipe()
+        self.st, st_w = os.pipe()
+        self.out, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
+                if self.cpu_s:
+                    cpu = int(self.cpu_s)
+                    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+                try:
+                    with open("/proc/self/oom_score_adj", "w") as f:
+                        f.write("1000")
+                except OSError:
+                    pass
+                os.chdir(self.ws)
+                null = os.open("/dev/null", os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(out_w, 1)
+                os.dup2(out_w, 2)
+                os.dup2(ctl_r, _CTL)
+                os.dup2(st_w, _STATUS)
+                os.closerange(3, _STATUS)
+                os.closerange(_CTL + 1, 65536)
+                os.execve(self.argv[0], self.argv, self.env)
+            except BaseException as e:
+                try:
+                    os.write(2, f"shell start failed: {e}\n".encode())
+                finally:
+                    os._exit(127)
+        for fd in (ctl_r, st_w, out_w):
+            os.close(fd)
+        for fd in (self.ctl, self.st, self.out):
+            os.set_blocking(fd, False)
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+
+    def _close(self, status=None):
+        """Forget a dead (or killed) shell: reap it, close its pipes; returns its status."""
+        if status is None:
+            status = os.waitpid(self.pid, 0)[1]
+        for fd in (self.ctl, self.st, self.out, self.pidfd):
+            os.close(fd)
+        self.pid = 0
+        return status
+
+    def _start(self):
+        self._spawn()
+        restore = ""
+        if self.exports:
+            restore += self.exports + "\n"
+        if self.cwd != self.ws:
+            restore += "builtin cd -- " + _quote(self.cwd) + " 2>/dev/null\n"
+        if restore:
+            res = self._roundtrip(restore, 10.0, 0, 0, 1 << 20)
+            if res["timed_out"] or res.get("shell_exited"):
+                self.exports, self.cwd = "", self.ws  # the saved state is what broke it
+                self._spawn()
+
+    def _kill_all(self):
+        """Kill the shell and everything else it started."""
+        if self.own_pids:
+            _kill(-1, signal.SIGKILL)  # every process in this sandbox but us and its init
+        else:
+            _kill(-self.pid, signal.SIGKILL)  # its process group
+
+    def close(self):
+        if self.pid:
+            self._kill_all()
+            self._close()
+
+    # -- commands -------------------------------------------------------------------------
+
+    def run(self, cmd, timeout, head_cap, tail_cap, max_stream):
+        """Run one command; exit status, timing and head+tail of its output."""
+        if "\0" in cmd:
+            raise ValueError("the command contains a NUL character")
+        if not self.pid:
+            self._start()
+        res = self._roundtrip(cmd, timeout, head_cap, tail_cap, max_stream)
+        if self.pid:
+            self._sweep()
+        return res
+
+    def _roundtrip(self, cmd, timeout, head_cap, tail_cap, max_stream):
+        t0 = time.monotonic()
+        # what processes killed after the previous call wrote late is not this call's output
+        self._read_out(bytearray(), bytearray(), 0, 0, 0)
+        data = cmd.encode("utf-8")
+        frame = b"%d\n" % len(data) + data
+        head = bytearray()
+        tail = bytearray()
+        record = bytearray()
+        total = 0
+        timed_out = over = exited = False
+        status = None
+        poller = select.poll()
+        poller.register(self.out, select.POLLIN)
+        poller.register(self.st, select.POLLIN)
+        poller.register(self.pidfd, select.POLLIN)
+        poller.register(self.ctl, select.POLLOUT)
+        deadline = t0 + timeout
+        while status is None:
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            for fd, _ in poller.poll(max(0, int((deadline - now) * 1000)) + 1):
+                if fd == self.ctl:
+                    try:
+                        frame = frame[os.write(self.ctl, frame) :]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:  # the shell is gone: its pidfd says so next
+                        frame = b""
+                    if not frame:
+                        poller.unregister(self.ctl)
+                elif fd == self.out:
+                    total = self._read_out(head, tail, head_cap, tail_cap, total)
+                    if total > max_stream:
+                        over = True
+                elif fd == self.st:
+                    try:
+                        chunk = os.read(self.st, 1 << 16)
+                    except BlockingIOError:
+                        continue
+                    record += chunk
+                    if record.count(b"\0") >= 3 and record.endswith(b"\0"):
+                        status = bytes(record)
+                        break
+                    if not chunk:
+                        poller.unregister(self.st)
+                elif fd == self.pidfd:
+                    exited = True
+                    status = b""
+                    break
+            if over:
+                break
+        total = self._read_out(head, tail, head_cap, tail_cap, total)
+        restarted = False
+        if exited or timed_out or over:
+            self._kill_all()
+            code = os.waitstatus_to_exitcode(self._close())
+            restarted = True
+        else:
+            parts = status.split(b"\0")
+            code = int(parts[0])
+            self.cwd = parts[1].decode("utf-8", "surrogateescape")
+            self.exports = parts[2].decode("utf-8", "surrogateescape")
+        if len(tail) > tail_cap:
+            del tail[: len(tail) - tail_cap]
+        omitted = total - len(head) - len(tail)
+        text = head.decode("utf-8", "replace")
+        if omitted > 0:
+            text += f"\n[... {omitted} bytes of output omitted ...]\n"
+        text += tail.decode("utf-8", "replace")
+        return {
+            "output": text,
+            "exit_code": code,
+            "timed_out": timed_out,
+            "output_limit": over,
+            "shell_exited": exited,
+            "shell_restarted": restarted,
+            "cwd": self.cwd,
+            "bytes": total,
+            "seconds": time.monotonic() - t0,
+        }
+
+    def _read_out(self, head, tail, head_cap, tail_cap, total):
+        while True:
+            try:
+                chunk = os.read(self.out, 1 << 16)
+            except BlockingIOError:
+                return total
+            if not chunk:
+                return total
+            total += len(chunk)
+            if len(head) < head_cap:
+                take = head_cap - len(head)
+                head += chunk[:take]
+                chunk = chunk[take:]
+            if chunk:
+                tail += chunk
+                if len(tail) > 2 * tail_cap + (1 << 16):
+                    del tail[: len(tail) - tail_cap]
+            if len(chunk) < 1 << 16:
+                return total
+
+    def _others(self, me):
+        """Live processes in this sandbox other than its init, the supervisor and the shell."""
+        found = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                pid = int(name)
+                if pid != 1 and pid != me and pid != self.pid:
+                    try:
+                        with open(f"/proc/{pid}/stat", "rb") as f:
+                            state = f.read().rsplit(b")", 1)[1][1:2]
+                    except OSError:
+                        continue
+                    if state != b"Z":
+                        found.append(pid)
+        return found
+
+    def _sweep(self):
+        """Kill what the command left running (background jobs, daemons, a fork bomb)."""
+        if not self.own_pids:
+            return
+        me = os.getpid()
+        others = self._others(me)
+        rounds = 0
+        while others and rounds < 100:
+            rounds += 1
+            _kill(-1, signal.SIGSTOP)  # freeze everything (a fork bomb stops forking)
+            for pid in self._others(me):
+                _kill(pid, signal.SIGKILL)
+            _kill(self.pid, signal.SIGCONT)
+            others = self._others(me)
+            if others:
+                time.sleep(0.001)
+
+
+def _quote(text):
+    return "'" + text.replace("'", "'\\''") + "'"
