@@ -1,7 +1,7 @@
 """Sandbox cost and throughput of tandem-agent-env, measured side by side in one process.
 
 Prints: median latency of one command through the sandboxed `bash` tool versus a bare
-subprocess; tool commands per second with 1, 16, 64 and 256 concurrent episodes; and full
+subprocess (a builtin, then an external program, also against a bare persistent bash); tool commands per second with 1, 16, 64 and 256 concurrent episodes; and full
 episode lifecycles per second (reset, 10 tool calls, then close, or submit + grading with the
 hidden tests) on generated tasks. Targets (2-core machine): >= 400 commands/s at 256
 episodes, >= 50 lifecycles/s without grading and >= 20 with it, sandbox overhead <= 5 ms.
@@ -74,6 +74,49 @@ async def bare_latency(n: int) -> list[float]:
             "/bin/bash",
             "-c",
             "echo hi",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        await proc.communicate()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def bare_shell_latency(command: str, n: int) -> list[float]:
+    """The same command through a persistent bash with no sandbox (pipes, a marker line): the
+    baseline that isolates what the sandbox and its supervisor add to a persistent shell."""
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/bash",
+        "--norc",
+        "--noprofile",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    out = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            proc.stdin.write(f"{command}; echo __done__ $?\n".encode())
+            await proc.stdin.drain()
+            while not (await proc.stdout.readline()).startswith(b"__done__"):
+                pass
+            out.append(time.perf_counter() - t0)
+    finally:
+        proc.stdin.close()
+        await proc.wait()
+    return out
+
+
+async def bare_latency_cmd(command: str, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/bash",
+            "-c",
+            command,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
@@ -196,6 +239,35 @@ async def _main(quick: bool, tree: TreeCPU) -> None:
     cb, cs = _ms(t0, t1, n_lat), _ms(t1, t2, n_lat)
     over = "n/a" if "n/a" in (cb, cs) else f"{float(cs) - float(cb):.2f}"
     print(f"{'all-process CPU ms per command':<44}{cb:>16}{cs:>16}{over:>10}")
+    # a command that is not a shell builtin (one fork+exec in every variant), and a persistent
+    # bash without a sandbox: what isolation itself costs on top of the same shell design
+    ext = "/bin/echo hi"
+    ext_call = ToolCall("bash", json.dumps({"command": ext}))
+    t0 = tree()
+    bare_ext = await bare_latency_cmd(ext, n_lat)
+    t1 = tree()
+    shell_ext = await bare_shell_latency(ext, n_lat)
+    t2 = tree()
+    env = Env(tasks[0], config)
+    await env.reset()
+    t3 = tree()
+    boxed_ext = []
+    for _ in range(n_lat):
+        w = time.perf_counter()
+        await env.step(ext_call)
+        boxed_ext.append(time.perf_counter() - w)
+    t4 = tree()
+    await env.close()
+    m1, m2, m3 = (statistics.median(x) * 1e3 for x in (bare_ext, shell_ext, boxed_ext))
+    print()
+    print(
+        f"{'one command (/bin/echo hi, fork+exec)':<44}{'bare bash -c':>16}{'bare bash loop':>16}"
+        f"{'sandboxed tool':>16}{'overhead vs loop':>18}"
+    )
+    print(f"{'median latency (ms)':<44}{m1:>16.2f}{m2:>16.2f}{m3:>16.2f}{m3 - m2:>18.2f}")
+    c1, c2, c3 = _ms(t0, t1, n_lat), _ms(t1, t2, n_lat), _ms(t3, t4, n_lat)
+    ov = "n/a" if "n/a" in (c2, c3) else f"{float(c3) - float(c2):.2f}"
+    print(f"{'all-process CPU ms per command':<44}{c1:>16}{c2:>16}{c3:>16}{ov:>18}")
     print()
     print(f"{'concurrent episodes':<44}" + "".join(f"{k:>10}" for k in (1, 16, 64, 256)))
     rates, cpu, tcpu = [], [], []

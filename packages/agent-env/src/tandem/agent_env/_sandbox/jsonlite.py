@@ -5,8 +5,22 @@ Handles what the host sends and receives: null, booleans, numbers, strings (with
 and surrogate pairs), lists and objects with string keys.
 """
 
-_ESC = {i: f"\\u{i:04x}" for i in [*range(32), *range(0xD800, 0xE000)]}
+_ESC = {i: f"\\u{i:04x}" for i in range(32)}
 _ESC.update({ord('"'): '\\"', ord("\\"): "\\\\", 10: "\\n", 13: "\\r", 9: "\\t"})
+_SURROGATES = {}  # lone surrogates (from undecodable bytes), escaped; built on first need
+
+
+def _escape(text):
+    out = text.translate(_ESC)
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError:  # rare: building this table costs more than a small start-up
+        if not _SURROGATES:
+            _SURROGATES.update({i: f"\\u{i:04x}" for i in range(0xD800, 0xE000)})
+        out = out.translate(_SURROGATES)
+    return out
+
+
 _UNESC = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _WS = " \t\r\n"
 _NUM = set("+-0123456789.eE")
@@ -23,7 +37,7 @@ def dumps(obj):
     if isinstance(obj, (int, float)):
         return repr(obj)
     if isinstance(obj, str):
-        return '"' + obj.translate(_ESC) + '"'
+        return '"' + _escape(obj) + '"'
     if isinstance(obj, (list, tuple)):
         return "[" + ",".join(dumps(v) for v in obj) + "]"
     if isinstance(obj, dict):
