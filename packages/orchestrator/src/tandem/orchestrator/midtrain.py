@@ -121,7 +121,7 @@ class Midtrainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
             self.optimizer.step()
             tokens += int(lengths.sum())
-            value = float(loss)
+            value = float(loss.detach())
             ema = value if ema is None else 0.9 * ema + 0.1 * value
             if metrics is not None:
                 metrics.log(step, {"loss": value, "lr": lr_at(step, c), "grad_norm": grad_norm})
