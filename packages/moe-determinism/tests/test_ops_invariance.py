@@ -68,7 +68,7 @@ def test_row_ops_match_torch(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_family_is_batch_invariant(threads: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(threads)
-    for k, n in [(37, 53), (256, 384), (512, 96)]:
+    for k, n in [(37, 53), (512, 96)]:
         a = torch.randn(64, k, generator=gen).to(dtype)
         w = torch.randn(n, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype)

@@ -2,7 +2,9 @@
 
 On entry, kernels for `aten::mm`, `addmm`, `bmm`, `_softmax`, `_log_softmax`, `mean.dim`,
 `silu` and `sigmoid` are registered with `torch.library` for the CPU and CUDA dispatch keys;
-on exit the registration is destroyed and torch's stock kernels are back. `F.linear`,
+on exit the registration is destroyed and torch's stock kernels are back. Products run by
+autograd's backward formulas use the stock kernels (gradients need not match anything
+bit for bit; activation-checkpoint recomputation does, and stays invariant). `F.linear`,
 `torch.matmul`, `F.rms_norm` and `torch.softmax` decompose into those, so an unmodified
 model becomes invariant. The overrides sit below autograd: backward formulas are torch's.
 
@@ -31,8 +33,22 @@ _state: dict[str, object] = {"depth": 0, "library": None}
 # so they call the graph-free blocked kernels directly.
 
 
+def _in_backward() -> bool:
+    """True while autograd runs backward formulas (not a checkpoint recompute, which runs with
+    grad enabled). Only forward values must match the inference engine, so the products of
+    backward use torch's stock kernels at full speed."""
+    return torch._C._current_graph_task_id() != -1 and not torch.is_grad_enabled()
+
+
+def _stock_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
+    return torch.bmm(a, b, out=out) if a.dim() == 3 else torch.mm(a, b, out=out)
+
+
 def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _mm._check(a, b, "mm")
+    if _in_backward():
+        return _stock_product(a, b)
     return _mm.cuda_mm(a, b) if a.is_cuda else _mm.mm_blocks(a, b)
 
 
@@ -49,6 +65,8 @@ def _addmm_impl(
 
 def _bmm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _mm._check(a, b, "bmm")
+    if _in_backward():
+        return _stock_product(a, b)
     return _mm.cuda_bmm(a, b) if a.is_cuda else _mm.bmm_blocks(a, b)
 
 
