@@ -151,7 +151,7 @@ class Shell:
         t0 = time.monotonic()
         # what processes killed after the previous call wrote late is not this call's output
         self._read_out(bytearray(), bytearray(), 0, 0, 0)
-        data = cmd.encode("utf-8")
+        data = cmd.encode("utf-8", "surrogateescape")  # saved state may hold raw bytes
         frame = b"%d\n" % len(data) + data
         head = bytearray()
         tail = bytearray()
@@ -163,7 +163,13 @@ class Shell:
         poller.register(self.out, select.POLLIN)
         poller.register(self.st, select.POLLIN)
         poller.register(self.pidfd, select.POLLIN)
-        poller.register(self.ctl, select.POLLOUT)
+        # a command that fits the pipe's buffer goes out without a poll
+        try:  # noqa: SIM105 - contextlib is a costly import here
+            frame = frame[os.write(self.ctl, frame) :]
+        except (BlockingIOError, BrokenPipeError):  # full, or the shell is gone (pidfd says)
+            pass
+        if frame:
+            poller.register(self.ctl, select.POLLOUT)
         deadline = t0 + timeout
         while status is None:
             now = time.monotonic()
@@ -226,7 +232,7 @@ class Shell:
             "output_limit": over,
             "shell_exited": exited,
             "shell_restarted": restarted,
-            "cwd": self.cwd,
+            "cwd": self.cwd.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
             "bytes": total,
             "seconds": time.monotonic() - t0,
         }
