@@ -11,11 +11,14 @@ from collections.abc import Sequence
 from math import comb
 
 import msgspec
+import structlog
 
 from tandem.agent_env import EnvConfig, Task
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.episode import Sample, episode_generator, run_episode
 from tandem.orchestrator.server import EngineServer
+
+log = structlog.get_logger()
 
 
 class EvalResult(msgspec.Struct, frozen=True):
@@ -71,8 +74,12 @@ async def evaluate(
 ) -> tuple[EvalResult, list[list[Sample]]]:
     """Play every task ``samples_per_task`` times (seeded) and score pass@k."""
 
+    total = len(tasks) * samples_per_task
+    done = 0
+
     async def one(i: int, j: int) -> Sample:
-        return await run_episode(
+        nonlocal done
+        sample = await run_episode(
             server,
             chat,
             tasks[i],
@@ -81,6 +88,10 @@ async def evaluate(
             max_observation_chars=max_observation_chars,
             generator=episode_generator(seed, 7_777_777, i, j),
         )
+        done += 1
+        if done % max(1, total // 8) == 0 or done == total:
+            log.info("eval.progress", done=done, total=total)
+        return sample
 
     flat = await asyncio.gather(
         *(one(i, j) for i in range(len(tasks)) for j in range(samples_per_task))
