@@ -325,7 +325,23 @@ class RLRun:
                     log.info("rl.wall_limit", step=self.step, seconds=round(self.max_wall_s, 1))
                     break
                 t0 = time.perf_counter()
-                groups = await self._take_groups_checked(background)
+                budget = None
+                if self.max_wall_s is not None:
+                    budget = max(self.max_wall_s - (t0 - t_start), 0.0)
+                try:
+                    # A policy that never varies its reward yields no informative group: the
+                    # wall-clock budget must also bound the wait for data.
+                    groups = await asyncio.wait_for(
+                        self._take_groups_checked(background), timeout=budget
+                    )
+                except TimeoutError:
+                    log.info(
+                        "rl.wall_limit",
+                        step=self.step,
+                        waiting_for="informative groups",
+                        filtered=self.filtered,
+                    )
+                    break
                 t_wait = time.perf_counter() - t0  # the trainer idles while it waits for data
                 stats, report = await asyncio.to_thread(self._train, groups)
                 self.wait_s += t_wait
@@ -384,7 +400,14 @@ class RLRun:
         """Take groups, surfacing a crashed engine or worker instead of waiting forever."""
         take = asyncio.create_task(self._take_groups())
         while True:
-            done, _ = await asyncio.wait([take, *background], return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait(
+                    [take, *background], return_when=asyncio.FIRST_COMPLETED
+                )
+            except asyncio.CancelledError:
+                take.cancel()
+                await asyncio.gather(take, return_exceptions=True)
+                raise
             if take in done:
                 return take.result()
             for task in done:
