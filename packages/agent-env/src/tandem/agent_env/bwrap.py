@@ -83,16 +83,18 @@ def base_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path) -> list[str]:
     for f in cfg.etc_files:
         if os.path.exists(f):
             args += ["--ro-bind", f, f]
-    for p in cfg.ro_binds:
-        if not os.path.exists(p):
-            raise SandboxError(f"SandboxConfig.ro_binds entry {p!r} does not exist on the host")
-        args += ["--ro-bind", p, p]
     args += ["--ro-bind", str(SANDBOX_DIR), TOOLS_MOUNT]
     # /dev is a tmpfs of its own: cap /dev/shm and make the rest read-only (device nodes
     # still work), so files can only be written to the capped workspace, /tmp and /dev/shm
     args += ["--dev", "/dev", "--proc", "/proc"]
     args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/tmp"]
+    # Extra binds come after the private /tmp, so a bound path under the host's /tmp (a
+    # checkout or venv there) is not hidden by it.
+    for p in cfg.ro_binds:
+        if not os.path.exists(p):
+            raise SandboxError(f"SandboxConfig.ro_binds entry {p!r} does not exist on the host")
+        args += ["--ro-bind", p, p]
     env = sandbox_env(cfg)
     args += ["--clearenv"]
     for k, v in env.items():
