@@ -31,7 +31,6 @@ from tandem.moe_determinism import (
     routing_agreement,
     token_logprobs,
 )
-from tandem.orchestrator.attention_grad import enable_invariant_attention_grad
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.episode import Sample
 
@@ -135,7 +134,6 @@ class RLTrainer:
     ) -> None:
         from accelerate import Accelerator
 
-        enable_invariant_attention_grad()
         self.config = config
         self.deterministic = deterministic
         self.model = model
