@@ -132,13 +132,23 @@ class Attention(nn.Module):
                 kv_lengths=kv_len,
             )
         else:
-            mask = ops.attention_mask(q_pos, kv_len, keys.shape[2], causal=True)
             group = h // hkv
+            if layout.cache is None:
+                # Without a cache every sequence starts at position 0, so the causal mask
+                # alone hides the padding keys from every real query (padded query rows are
+                # dropped below); the fused causal kernel also skips the masked blocks.
+                mask, causal = None, True
+            else:
+                mask, causal = (
+                    ops.attention_mask(q_pos, kv_len, keys.shape[2], True)[:, None],
+                    False,
+                )
             out = F.scaled_dot_product_attention(
                 qp,
                 keys.repeat_interleave(group, 1),
                 values.repeat_interleave(group, 1),
-                attn_mask=mask[:, None],
+                attn_mask=mask,
+                is_causal=causal,
             )
         out = out.transpose(1, 2)[layout.seq_of, layout.index]  # [N, H, D]
         return self.o_proj(out.reshape(n, h * d))
