@@ -66,9 +66,16 @@ def sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
     }
 
 
-def base_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path) -> list[str]:
-    """Arguments common to every sandbox (everything but the workspace and the command)."""
-    args = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(UID), "--gid", str(UID)]
+def base_args(
+    bwrap: str, cfg: SandboxConfig, etc_dir: Path, *, uid: int = UID, allow_userns: bool = False
+) -> list[str]:
+    """Arguments common to every sandbox (everything but the workspace and the command).
+
+    ``uid`` 0 with ``allow_userns`` (no ``--disable-userns``) is only for the warm grader (see :func:`grader_args`):
+    bwrap then keeps its sandbox in the user namespace that owns its mount namespace, which
+    lets the grader give each job fresh namespaces and its own /proc.
+    """
+    args = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(uid), "--gid", str(uid)]
     for d in cfg.system_dirs:
         if os.path.isdir(d):
             args += ["--ro-bind", d, d]
@@ -99,8 +106,24 @@ def base_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path) -> list[str]:
     args += ["--clearenv"]
     for k, v in env.items():
         args += ["--setenv", k, v]
-    args += ["--disable-userns", "--die-with-parent", "--new-session"]
+    if not allow_userns:
+        args += ["--disable-userns"]
+    args += ["--die-with-parent", "--new-session"]
     return args
+
+
+LAYERS_MOUNT = "/.layers"
+
+
+def grader_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path, layers: str) -> list[str]:
+    """The warm grader's sandbox: the strict profile, plus the host's layer directory
+    (read-only, at :data:`LAYERS_MOUNT`) and the capabilities *inside its own user namespace*
+    that it needs to build a fresh sandbox per job (mounts, namespaces). Every job drops all
+    of them, and the user-namespace limit, before any test code runs (``_sandbox/grader.py``).
+    """
+    args = base_args(bwrap, cfg, etc_dir, uid=0, allow_userns=True)
+    args += ["--cap-add", "ALL", "--ro-bind", layers, LAYERS_MOUNT, "--dir", WORKSPACE]
+    return [*args, "--remount-ro", "/", "--chdir", "/"]
 
 
 def workspace_args(lowers: list[str], upper: str | None, work: str | None) -> list[str]:

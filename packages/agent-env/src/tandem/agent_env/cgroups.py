@@ -197,9 +197,11 @@ class CgroupManager:
                             _rmdir_retry(child, 0.5)
                     _rmdir_retry(d, 0.5)
 
-    def create(self, memory_bytes: int, pids: int) -> EpisodeCgroup:
+    def create(self, memory_bytes: int, pids: int, kind: str = "ep") -> EpisodeCgroup:
+        """A new child group ``<kind>-<n>`` with these limits (``ep`` for episodes and
+        grading jobs, ``grader`` for the warm grader itself)."""
         self._count += 1
-        name = f"ep-{self._count}"
+        name = f"{kind}-{self._count}"
         dirs: dict[str, Path] = {}
         try:
             for ctrl, parent in self.parents.items():
@@ -224,7 +226,7 @@ class CgroupManager:
 
     def close(self) -> None:
         for parent in self.parents.values():
-            for child in list(parent.glob("ep-*")):
+            for child in [d for d in parent.glob("*") if d.is_dir()]:
                 EpisodeCgroup(self.version, {"x": child}).kill_all(0.5)
                 _rmdir_retry(child, 0.5)
             _rmdir_retry(parent, 0.5)

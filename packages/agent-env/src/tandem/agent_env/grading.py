@@ -1,5 +1,8 @@
 """Reward from hidden tests, run in a fresh sandbox over the episode's final workspace.
 
+The sandbox is usually a job of the runtime's warm grader (``warm_grader``: a fork of a
+long-lived grading sandbox that builds fresh namespaces per job), else a one-shot bwrap run.
+
 The grading sandbox stacks three read-only layers: the task's base, the episode's writes, and
 the hidden tests (plus pristine copies of reset paths) on top, so whatever the agent did to
 those files is undone. Writes during grading go to a throwaway layer in RAM. A grading run
@@ -15,13 +18,19 @@ import json
 import shutil
 import subprocess
 import time
+from pathlib import Path
+from typing import Any
 
 import msgspec
+import structlog
 
 from tandem.agent_env import bwrap as bw
 from tandem.agent_env.runtime import Runtime
 from tandem.agent_env.session import Session, reap, spawn
 from tandem.agent_env.task import Task
+from tandem.agent_env.warm_grader import WarmGraderError
+
+log = structlog.get_logger()
 
 
 class GradeResult(msgspec.Struct, frozen=True):
@@ -48,17 +57,93 @@ def score(task: Task, tests: dict[str, str], partial_credit: bool) -> tuple[floa
 async def grade(
     runtime: Runtime, task: Task, session: Session, timeout_s: float, partial_credit: bool
 ) -> GradeResult:
+    """Run the hidden tests over the episode's final workspace: in the runtime's warm grader
+    when it can serve the task (sandboxed, ``unittest``, layers it can see), else in a
+    one-shot sandbox. A warm-grader problem falls back to the one-shot sandbox; a run that
+    never started there either is an infrastructure fault."""
     t0 = time.monotonic()
     hidden = runtime.hidden_layer(task, session.base, session.dir / "hidden")
     ids = list(dict.fromkeys([*task.hidden_tests.fail_to_pass, *task.hidden_tests.pass_to_pass]))
-    spec = {
+    spec: dict[str, Any] = {
         "ids": ids,
         "framework": task.hidden_tests.framework,
         "paths": list(runtime.config.python_paths),
     }
+    warm = runtime.warm_grader if task.hidden_tests.framework == "unittest" else None
+    if warm is not None:
+        lowers = [warm.layer_path(p) for p in [hidden, *reversed(session.final_layers())]]
+        if all(lowers):
+            try:
+                out = await warm.run([str(p) for p in lowers], spec, timeout_s)
+            except WarmGraderError as e:
+                log.warning("agent_env.warm_grader_failed", task=task.id, error=str(e))
+            else:
+                if not out.grader_died:
+                    return _verdict(task, ids, out.messages, out.timed_out, partial_credit, "", t0)
+                log.warning("agent_env.warm_grader_died", task=task.id)
+    messages, timed_out, stderr, error = await _grade_one_shot(
+        runtime, session, hidden, spec, timeout_s, task.hidden_tests.framework
+    )
+    if error:
+        return GradeResult(None, False, {}, True, error, time.monotonic() - t0)
+    return _verdict(task, ids, messages, timed_out, partial_credit, stderr, t0)
+
+
+def _verdict(
+    task: Task,
+    ids: list[str],
+    messages: list[dict[str, Any]],
+    timed_out: bool,
+    partial_credit: bool,
+    stderr: str,
+    t0: float,
+) -> GradeResult:
+    """Score what the test runner reported; a run that never started is an infra fault."""
+    tests: dict[str, str] = {}
+    details: dict[str, str] = {}
+    started = done = False
+    fatal = ""
+    for msg in messages:
+        if msg.get("started"):
+            started = True
+        elif msg.get("done"):
+            done = True
+        elif msg.get("fatal"):
+            fatal = str(msg["fatal"])
+        elif isinstance(msg.get("id"), str) and msg["id"] in ids:
+            tests[msg["id"]] = str(msg.get("status"))
+            if msg.get("detail"):
+                details[msg["id"]] = str(msg["detail"])
+    seconds = time.monotonic() - t0
+    if not started or fatal:
+        why = fatal or f"grading did not start: {stderr[-800:]}"
+        return GradeResult(None, False, {}, True, why, seconds)
+    for t in ids:
+        tests.setdefault(t, "timeout" if timed_out else "error")
+    reward, resolved = score(task, tests, partial_credit)
+    detail = "timed out" if timed_out else ("" if done else "test process died")
+    if not resolved:
+        failing = [
+            f"{t}: {tests[t]}: {details.get(t, '')[-300:]}" for t in ids if tests[t] != "passed"
+        ]
+        detail = (detail + "\n" + "\n".join(failing[:5])).strip()
+    return GradeResult(reward, resolved, tests, False, detail, seconds)
+
+
+async def _grade_one_shot(
+    runtime: Runtime,
+    session: Session,
+    hidden: Path,
+    spec: dict[str, Any],
+    timeout_s: float,
+    framework: str,
+) -> tuple[list[dict[str, Any]], bool, str, str]:
+    """A fresh sandbox (or, unsandboxed, a copied tree) running the test runner once:
+    (messages, timed out, stderr tail, error that kept it from starting)."""
     # unittest needs only the standard library: skip site-packages (and its .pth files) then
-    flags = ("-I", "-S") if task.hidden_tests.framework == "unittest" else ("-I",)
+    flags = ("-I", "-S") if framework == "unittest" else ("-I",)
     cgroup = None
+    spec = dict(spec)
     if runtime.sandboxed:
         assert runtime.cgroups is not None
         lim = runtime.config.limits
@@ -82,13 +167,8 @@ async def grade(
     except OSError as e:
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)
-        return GradeResult(
-            None, False, {}, True, f"could not start grading: {e}", time.monotonic() - t0
-        )
-    tests: dict[str, str] = {}
-    details: dict[str, str] = {}
-    started = done = False
-    fatal = ""
+        return [], False, "", f"could not start grading: {e}"
+    messages: list[dict[str, Any]] = []
     err_tail = bytearray()
 
     async def drain_stderr() -> None:
@@ -98,21 +178,12 @@ async def grade(
             del err_tail[:-4000]
 
     async def read_results() -> None:
-        nonlocal started, done, fatal
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
             with contextlib.suppress(ValueError):
                 msg = json.loads(line)
-                if msg.get("started"):
-                    started = True
-                elif msg.get("done"):
-                    done = True
-                elif msg.get("fatal"):
-                    fatal = str(msg["fatal"])
-                elif isinstance(msg.get("id"), str) and msg["id"] in ids:
-                    tests[msg["id"]] = str(msg.get("status"))
-                    if msg.get("detail"):
-                        details[msg["id"]] = str(msg["detail"])
+                if isinstance(msg, dict):
+                    messages.append(msg)
 
     drainer = asyncio.create_task(drain_stderr())
     timed_out = False
@@ -127,18 +198,4 @@ async def grade(
         drainer.cancel()
         if not runtime.sandboxed:
             await asyncio.to_thread(shutil.rmtree, session.dir / "grade", True)
-    seconds = time.monotonic() - t0
-    stderr = err_tail.decode("utf-8", "replace")
-    if not started or fatal:
-        why = fatal or f"grading did not start: {stderr[-800:]}"
-        return GradeResult(None, False, {}, True, why, seconds)
-    for t in ids:
-        tests.setdefault(t, "timeout" if timed_out else "error")
-    reward, resolved = score(task, tests, partial_credit)
-    detail = "timed out" if timed_out else ("" if done else "test process died")
-    if not resolved:
-        failing = [
-            f"{t}: {tests[t]}: {details.get(t, '')[-300:]}" for t in ids if tests[t] != "passed"
-        ]
-        detail = (detail + "\n" + "\n".join(failing[:5])).strip()
-    return GradeResult(reward, resolved, tests, False, detail, seconds)
+    return messages, timed_out, err_tail.decode("utf-8", "replace"), ""

@@ -6,7 +6,8 @@ in its own mount namespace and mounts a size-capped tmpfs per episode there; san
 started inside that namespace (``nsenter``), so a full workspace fails with ENOSPC instead of
 filling the host or the episode's memory. The helper dies with this process
 (PR_SET_PDEATHSIG), which frees every mount at once; nothing is mounted in the host's own
-namespace.
+namespace. The scratch root is a shared mount inside that namespace, so a sandbox started
+there that binds it (the warm grader) sees workspaces mounted after it started.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def check(rc, what):
         raise OSError(e, "%s: %s" % (what, os.strerror(e)))
 check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
 check(libc.mount(b"none", b"/", None, 0x4000 | (1 << 18), None), "make / private")
+# the scratch root becomes a shared mount of this namespace only, so that workspaces mounted
+# later also appear in sandboxes started here that bind it (the warm grader)
+share = sys.argv[2].encode()
+check(libc.mount(share, share, None, 4096, None), "bind the scratch root")
+check(libc.mount(b"none", share, None, 1 << 20, None), "make the scratch root shared")
 out = os.fdopen(os.dup(1), "w", buffering=1)
 out.write('{"ok": true}\n')
 for line in sys.stdin:
@@ -58,7 +64,7 @@ for line in sys.stdin:
 class MountHelper:
     """Client of the helper process; one request at a time."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, share: str) -> None:
         self.nsenter = shutil.which("nsenter") or ""
         if not self.nsenter:
             raise SandboxError(
@@ -66,7 +72,7 @@ class MountHelper:
                 "private mount namespace that holds the size-capped workspaces (apt install util-linux)"
             )
         self._proc = subprocess.Popen(
-            [python, "-I", "-S", "-c", _HELPER, str(os.getpid())],
+            [python, "-I", "-S", "-c", _HELPER, str(os.getpid()), share],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

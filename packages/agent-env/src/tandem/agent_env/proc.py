@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import subprocess
 from typing import IO
@@ -43,6 +44,7 @@ class ChildProcess:
         stdin: bool = False,
         stderr: IO[bytes] | int | None = None,
         limit: int = 1 << 20,
+        pass_fds: tuple[int, ...] = (),
     ) -> ChildProcess:
         loop = asyncio.get_running_loop()
         popen = subprocess.Popen(
@@ -52,6 +54,7 @@ class ChildProcess:
             stderr=stderr if stderr is not None else subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
+            pass_fds=pass_fds,
             env=_CLEAN_ENV,  # a sandbox's init keeps its initial environ readable in /proc
         )
         self = cls(popen, loop)
@@ -91,6 +94,12 @@ class ChildProcess:
         os.close(self._pidfd)
         self._exited.set()
 
+    def has_exited(self) -> bool:
+        """Whether the process has exited, even if the event loop has not noticed yet."""
+        if self.returncode is not None:
+            return True
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
     def kill(self) -> None:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -100,6 +109,25 @@ class ChildProcess:
         await self._exited.wait()
         assert self.returncode is not None
         return self.returncode
+
+    def abandon(self) -> None:
+        """Kill and reap the process without its event loop (which may be closed already)
+        and close our ends of its pipes."""
+        self.kill()
+        with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+            self._popen.wait(timeout=10)
+        for t in self._transports:
+            pipe = t.get_extra_info("pipe")
+            with contextlib.suppress(Exception):
+                t.close()
+            with contextlib.suppress(Exception):
+                pipe.close()
+        self._transports = []
+        if self.returncode is None:
+            self.returncode = self._popen.returncode
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
 
     def close(self) -> None:
         """Close our ends of the pipes (after the process is gone)."""

@@ -31,6 +31,7 @@ from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.task import Task
+from tandem.agent_env.warm_grader import WarmGrader
 
 log = structlog.get_logger()
 
@@ -69,13 +70,14 @@ class Runtime:
         self._episodes = 0
         self.cgroups: CgroupManager | None = None
         self.mounts: MountHelper | None = None
+        self.grader: WarmGrader | None = None
         self.bwrap = ""
         try:
             if sandboxed:
                 self.bwrap = bw.find_bwrap(config.bwrap)
                 bw.probe(self.bwrap, config.python, str(self.root))
                 self.cgroups = CgroupManager(config.cgroup_root)
-                self.mounts = MountHelper(sys.executable)
+                self.mounts = MountHelper(sys.executable, str(self.root))
             bw.write_etc(self.root / "etc")
             bw.precompile(config.python if sandboxed else sys.executable)
         except BaseException:
@@ -86,7 +88,14 @@ class Runtime:
             if self.mounts is not None
             else []
         )
+        if sandboxed and config.warm_grader:
+            self.grader = WarmGrader(self)
         atexit.register(self.close)
+
+    @property
+    def warm_grader(self) -> WarmGrader | None:
+        """The warm grader, when this runtime uses one (sandboxed, ``config.warm_grader``)."""
+        return self.grader
 
     @classmethod
     def shared(cls, config: SandboxConfig, sandboxed: bool = True) -> Runtime:
@@ -161,6 +170,9 @@ class Runtime:
         return d
 
     def close(self) -> None:
+        if self.grader is not None:
+            self.grader.abandon()
+            self.grader = None
         if self.mounts is not None:
             self.mounts.close()
             self.mounts = None

@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -23,7 +23,9 @@ from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
 from tandem.agent_env.proc import ChildProcess
-from tandem.agent_env.runtime import Runtime
+
+if TYPE_CHECKING:
+    from tandem.agent_env.runtime import Runtime
 
 log = structlog.get_logger()
 
@@ -42,12 +44,15 @@ async def spawn(
     cgroup: EpisodeCgroup | None,
     stderr: Any,
     stdin: bool = False,
+    pass_fds: tuple[int, ...] = (),
 ) -> ChildProcess:
     """Start ``argv`` inside the cgroup (via a tiny shell that joins it, then execs)."""
     if cgroup is not None:
         files = cgroup.procs_files
         argv = ["/bin/sh", "-c", _JOIN, "sh", files[0], files[-1], *argv]
-    return await ChildProcess.start(argv, stdin=stdin, stderr=stderr, limit=_STREAM_LIMIT)
+    return await ChildProcess.start(
+        argv, stdin=stdin, stderr=stderr, limit=_STREAM_LIMIT, pass_fds=pass_fds
+    )
 
 
 async def reap(proc: ChildProcess, cgroup: EpisodeCgroup | None, remove: bool = True) -> None:

@@ -100,12 +100,11 @@ def run_pytest(ids):
         report(test_id, outcomes.get(test_id, "missing"), details.get(test_id, ""))
 
 
-def main():
+def run(spec, results):
+    """Run the tests of ``spec`` from its workspace; one JSON line per test id to
+    ``results`` (a text file), framed by ``started`` and ``done``."""
     global SPEC, RESULTS
-    SPEC = loads(sys.argv[1])
-    RESULTS = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    SPEC, RESULTS = spec, results
     os.chdir(SPEC["workspace"])
     # the workspace goes after the standard library (so it cannot shadow it) but before
     # site-packages; extra paths (e.g. a bound site-packages with pytest) go last
@@ -122,6 +121,13 @@ def main():
     else:
         RESULTS.write(dumps({"fatal": f"unknown test framework {framework!r}"}) + "\n")
     RESULTS.write(dumps({"done": True}) + "\n")
+
+
+def main():
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    run(loads(sys.argv[1]), results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,234 @@
+"""The warm grader: jobs are isolated from each other and from the host, verdicts match the
+one-shot grading sandbox, and faults of the grader are never scored as test failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import textwrap
+
+import msgspec
+import pytest
+
+from tandem.agent_env import Env, EnvConfig, HiddenTests, Task, ToolCall
+from tandem.agent_env.runtime import Runtime
+
+
+def call(name: str, **args: object) -> ToolCall:
+    return ToolCall(name, json.dumps(args))
+
+
+# The hidden test checks, inside the grading job, what a previous job may have left behind,
+# then leaves traces of its own: files in every writable place and a background process that
+# would write into the workspace a moment later.
+PROBE = textwrap.dedent(
+    """
+    import ctypes, os, subprocess, sys, time, unittest
+
+    PLACES = ["/tmp/trace", "/dev/shm/trace", "/workspace/trace"]
+
+
+    class Probe(unittest.TestCase):
+        def test_clean_slate(self):
+            left = [p for p in PLACES if os.path.exists(p)]
+            self.assertEqual(left, [])
+            pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+            self.assertEqual(pids, [1])  # alone in its pid namespace
+            for p in PLACES:
+                with open(p, "w") as f:
+                    f.write("left behind")
+            subprocess.Popen(
+                ["/bin/sh", "-c", "sleep 0.3; echo late > /workspace/trace; sleep 60"],
+                start_new_session=True,
+            )
+
+        def test_no_privileges(self):
+            status = open("/proc/self/status").read()
+            for key in ("CapEff:", "CapPrm:", "CapBnd:", "CapAmb:"):
+                self.assertEqual(int(status.split(key)[1].split()[0], 16), 0, key)
+            # the host's layers are detached: at most the empty mount point is left
+            self.assertEqual(os.listdir("/.layers") if os.path.exists("/.layers") else [], [])
+            libc = ctypes.CDLL(None, use_errno=True)
+            self.assertNotEqual(libc.unshare(0x10000000), 0)  # CLONE_NEWUSER
+            self.assertNotEqual(libc.unshare(0x00020000), 0)  # CLONE_NEWNS
+
+        def test_no_host_network(self):
+            import socket
+            with self.assertRaises(OSError):
+                socket.create_connection(("127.0.0.1", PORT), timeout=2)
+    """
+)
+
+
+def probe_task(port: int) -> Task:
+    return Task(
+        id="probe",
+        instruction="nothing to do",
+        files={"README": "probe\n"},
+        hidden_tests=HiddenTests(
+            fail_to_pass=(
+                "test_probe.Probe.test_clean_slate",
+                "test_probe.Probe.test_no_privileges",
+                "test_probe.Probe.test_no_host_network",
+            ),
+            files={"test_probe.py": PROBE.replace("PORT", str(port))},
+        ),
+    )
+
+
+async def submit(task: Task, config: EnvConfig, calls: list[ToolCall] = ()) -> object:
+    env = Env(task, config)
+    await env.reset()
+    try:
+        for c in calls:
+            await env.step(c)
+        res = await env.step(ToolCall("submit"))
+        return res
+    finally:
+        await env.close()
+
+
+@pytest.fixture
+def host_server():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    yield srv.getsockname()[1]
+    srv.close()
+
+
+def test_jobs_are_isolated_from_each_other_and_from_the_host(
+    config: EnvConfig, host_server: int
+) -> None:
+    task = probe_task(host_server)
+
+    async def main() -> list:
+        first = await submit(task, config)
+        grader = Runtime.shared(config.sandbox).grader
+        assert grader is not None and grader.proc is not None
+        pid = grader.proc.pid
+        await asyncio.sleep(0.6)  # the first job's background process would have written
+        rest = await asyncio.gather(*(submit(task, config) for _ in range(4)))
+        assert grader.proc is not None and grader.proc.pid == pid  # the same warm grader
+        return [first, *rest]
+
+    results = asyncio.run(main())
+    for r in results:
+        assert r.info["tests"] == {t: "passed" for t in task.hidden_tests.fail_to_pass}, r.info.get(
+            "grade_detail"
+        )
+        assert r.reward == 1.0
+
+
+SUM_TASK = Task(
+    id="sum",
+    instruction="total() should add up the numbers; helpers.py is obsolete, delete it.",
+    files={
+        "stats.py": "def total(xs):\n    return sum(xs) - 1\n",
+        "helpers.py": "X = 1\n",
+        "pkg/__init__.py": "",
+        "pkg/old.py": "VALUE = 'old'\n",
+        "tests/__init__.py": "",
+        "tests/test_stats.py": (
+            "import unittest\nfrom stats import total\n\n\nclass T(unittest.TestCase):\n"
+            "    def test_empty(self):\n        self.assertEqual(total([]) + 1, 0 + 1)\n"
+        ),
+    },
+    hidden_tests=HiddenTests(
+        fail_to_pass=(
+            "tests.test_hidden.H.test_total",
+            "tests.test_hidden.H.test_helpers_deleted",
+            "tests.test_hidden.H.test_pkg_replaced",
+        ),
+        pass_to_pass=("tests.test_stats.T.test_empty",),
+        files={
+            "tests/test_hidden.py": (
+                "import os, unittest\nfrom stats import total\n\n\nclass H(unittest.TestCase):\n"
+                "    def test_total(self):\n        self.assertEqual(total([1, 2]), 3)\n\n"
+                "    def test_helpers_deleted(self):\n"
+                "        self.assertFalse(os.path.exists('helpers.py'))\n\n"
+                "    def test_pkg_replaced(self):\n"
+                "        self.assertEqual(sorted(os.listdir('pkg')), ['__init__.py', 'new.py'])\n"
+            )
+        },
+        reset_paths=("tests/test_stats.py",),
+    ),
+)
+
+FIX = [
+    call("edit", path="stats.py", old_string="sum(xs) - 1", new_string="sum(xs)"),
+    call("bash", command="rm helpers.py && rm -r pkg && mkdir pkg && touch pkg/__init__.py"),
+    call("write_file", path="pkg/new.py", content="VALUE = 'new'\n"),
+    # tampering with a visible test does not count: it is reset before grading
+    call("write_file", path="tests/test_stats.py", content="raise SystemExit(1)\n"),
+]
+PARTIAL = [call("bash", command="rm helpers.py")]
+
+
+@pytest.mark.parametrize("calls", [FIX, PARTIAL, []], ids=["fixed", "partial", "untouched"])
+def test_warm_verdicts_match_the_one_shot_sandbox(config: EnvConfig, calls: list) -> None:
+    one_shot = msgspec.structs.replace(
+        config, sandbox=msgspec.structs.replace(config.sandbox, warm_grader=False)
+    )
+
+    async def main() -> tuple:
+        return await submit(SUM_TASK, config, calls), await submit(SUM_TASK, one_shot, calls)
+
+    warm, cold = asyncio.run(main())
+    assert Runtime.shared(config.sandbox).grader is not None
+    assert Runtime.shared(one_shot.sandbox).grader is None
+    assert warm.info["tests"] == cold.info["tests"]
+    assert warm.reward == cold.reward and warm.info["infra_fault"] is cold.info["infra_fault"]
+    expected = {"fixed": 1.0, "partial": 0.0, "untouched": 0.0}
+    key = "fixed" if calls is FIX else "partial" if calls is PARTIAL else "untouched"
+    assert warm.reward == expected[key]
+    if calls is PARTIAL:  # deletion seen, the rest not fixed
+        assert warm.info["tests"]["tests.test_hidden.H.test_helpers_deleted"] == "passed"
+        assert warm.info["tests"]["tests.test_hidden.H.test_total"] == "failed"
+
+
+def test_a_memory_bomb_fails_its_own_job_only(config: EnvConfig) -> None:
+    bomb = call("write_file", path="stats.py", content="X = bytearray(2 << 30)\n")
+
+    async def main() -> tuple:
+        return await asyncio.gather(submit(SUM_TASK, config, [bomb]), submit(SUM_TASK, config, FIX))
+
+    bombed, fixed = asyncio.run(main())
+    assert bombed.reward == 0.0 and bombed.info["infra_fault"] is False
+    assert fixed.reward == 1.0, fixed.info
+
+
+def test_a_grader_killed_between_jobs_is_restarted(config: EnvConfig) -> None:
+    async def main() -> tuple:
+        first = await submit(SUM_TASK, config, FIX)
+        grader = Runtime.shared(config.sandbox).grader
+        assert grader is not None and grader.proc is not None
+        starts = grader.starts
+        os.kill(grader.proc.pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        second = await submit(SUM_TASK, config, FIX)
+        return first, second, grader.starts - starts
+
+    first, second, restarts = asyncio.run(main())
+    assert first.reward == second.reward == 1.0
+    assert restarts == 1
+
+
+def test_a_grader_that_cannot_start_falls_back_to_one_shot_grading(config: EnvConfig) -> None:
+    async def main() -> object:
+        grader = Runtime.shared(config.sandbox).grader
+        assert grader is not None
+        grader.abandon()
+        grader.failures = 10**6  # past the restart budget: the warm grader is not used
+        try:
+            res = await submit(SUM_TASK, config, FIX)
+            assert grader.proc is None  # graded by a one-shot sandbox
+            return res
+        finally:
+            grader.failures = 0
+
+    res = asyncio.run(main())
+    assert res.reward == 1.0 and res.info["infra_fault"] is False
