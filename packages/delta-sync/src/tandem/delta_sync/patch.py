@@ -1,9 +1,10 @@
 """Stage a version as a compact patch while serving, then apply it in a short pause.
 
-`stage` (the prepare phase) needs no access to the live tensors: sparse chunks are decoded
-into (positions, bit-pattern differences), which apply as a modular add onto whatever the
-base holds; XOR and raw chunks stay compressed until apply, so staging a delta costs about
-its decoded size and an anchor about its compressed size, never a copy of the model.
+`stage` (the prepare phase) needs no access to the live tensors: sparse chunks are
+decompressed and checked (every position inside its chunk) into their small code streams
+(about 1.3 bytes per change), which apply as a modular add onto whatever the base holds,
+decoded and scattered in one compiled pass; XOR and raw chunks stay compressed until
+apply, so staging costs about the delta's size, never a copy of the model.
 
 `apply_patch` (the pause) patches every chunk in parallel and hashes it while it is hot in
 cache, then checks every tensor against its published digest. If a delta was applied onto
@@ -19,12 +20,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.delta_sync.codec import RAW, SPARSE, XOR, ChunkRecord, decode_dense, decode_sparse
+from tandem.delta_sync.codec import (
+    RAW,
+    SPARSE,
+    XOR,
+    ChunkRecord,
+    SparseStreams,
+    apply_streams,
+    decode_dense,
+    decode_streams,
+    decompress_sparse,
+)
 from tandem.delta_sync.container import iter_shard
 from tandem.delta_sync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
 from tandem.delta_sync.manifest import TensorInfo
 from tandem.delta_sync.parallel import ordered_map
 from tandem.delta_sync.tensors import (
+    HostTensor,
     TensorView,
     chunk_digest,
     chunk_elems_for,
@@ -40,13 +52,12 @@ class ChunkOp:
     rec: ChunkRecord
     where: str
     frames: list[memoryview] | None = None  # xor/raw: decoded during apply
-    idx: np.ndarray | None = None  # sparse: positions relative to the chunk start
-    diff: np.ndarray | None = None  # sparse: bit-pattern differences mod 2^bits
+    sparse: SparseStreams | None = None  # sparse: decompressed and checked while staging
 
     @property
     def nbytes(self) -> int:
-        if self.idx is not None and self.diff is not None:
-            return self.idx.nbytes + self.diff.nbytes
+        if self.sparse is not None:
+            return self.sparse.nbytes
         return sum(len(f) for f in self.frames or [])
 
 
@@ -107,7 +118,7 @@ def stage(
 
     def decode(item: tuple[ChunkOp, int, int]) -> None:
         op, n, w = item
-        op.idx, op.diff = decode_sparse(op.rec, op.frames, n, w, op.where)  # type: ignore[arg-type]
+        op.sparse = decompress_sparse(op.rec, op.frames, n, w, op.where)  # type: ignore[arg-type]
         op.frames = None
 
     for _ in ordered_map(pool, decode, sparse, 4 * (pool._max_workers or 1)):
@@ -147,12 +158,24 @@ def _run(
         saved = np.array(view.read(start, stop), copy=True)
     for op, vals in zip(ops, dense, strict=True):
         if op.rec.mode == SPARSE:
-            view.add_at(start, op.idx, op.diff)  # type: ignore[arg-type]
+            _add(view, start, stop, op.sparse)  # type: ignore[arg-type]
         elif op.rec.mode == XOR:
             view.xor_at(start, vals)  # type: ignore[arg-type]
         else:
             view.write(start, vals)  # type: ignore[arg-type]
     return saved
+
+
+def _add(
+    view: TensorView, start: int, stop: int, s: SparseStreams, *, negate: bool = False
+) -> None:
+    """Patch one chunk with a sparse op: decoded straight into host memory, or into
+    positions and differences for a device tensor."""
+    if isinstance(view, HostTensor):
+        apply_streams(view.flat[start:stop], s, negate=negate)
+        return
+    idx, diff = decode_streams(s, view.itemsize)
+    view.add_at(start, idx, np.zeros_like(diff) - diff if negate else diff)
 
 
 def _undo(view: TensorView, start: int, stop: int, ops: list[ChunkOp], saved) -> None:
@@ -161,7 +184,7 @@ def _undo(view: TensorView, start: int, stop: int, ops: list[ChunkOp], saved) ->
         return
     for op in reversed(ops):
         if op.rec.mode == SPARSE:
-            view.add_at(start, op.idx, np.zeros_like(op.diff) - op.diff)  # type: ignore[arg-type]
+            _add(view, start, stop, op.sparse, negate=True)  # type: ignore[arg-type]
         else:
             n, w = stop - start, view.itemsize
             view.xor_at(start, decode_dense(op.rec, op.frames, n, w, op.where))  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from tandem.delta_sync import kernels
 from tandem.delta_sync.dtypes import UINT_BY_WIDTH, dtype_name_of_numpy, numpy_dtype
 from tandem.delta_sync.errors import DeltaSyncError
 
@@ -92,7 +93,12 @@ class HostTensor:
 
     def add_at(self, start: int, idx: np.ndarray, diff: np.ndarray) -> None:
         if idx.size:
-            self.flat[start : start + int(idx[-1]) + 1][idx] += diff
+            stop = start + int(idx[-1]) + 1  # idx ascending: its last is the largest
+            if stop > self.numel or idx.size != diff.size:
+                raise DeltaSyncError(
+                    f"tensor {self.name!r}: patch reaches element {stop - 1} of {self.numel}"
+                )
+            kernels.scatter_add(self.flat[start:stop], idx, diff)
 
     def xor_at(self, start: int, values: np.ndarray) -> None:
         self.flat[start : start + values.size] ^= values

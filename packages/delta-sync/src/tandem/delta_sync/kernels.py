@@ -1,0 +1,218 @@
+"""Compiled single-pass loops for the sparse chunk encoding (numba, GIL released).
+
+The sparse encoding is defined in `codec` with whole-array numpy operations; those need a
+full-chunk compare, `np.flatnonzero`, two gathers and a dozen passes over the changed
+elements, which held encoding near 0.5 GB/s per core. These loops produce byte-identical
+streams in one pass over the chunk (compare, gap, zig-zag, 2-bit packing and escapes
+together), and decode them in one pass over the changed elements. They release the GIL,
+so chunks encode and decode in parallel on the thread pool.
+
+All arithmetic is done in uint64 and masked to the element width, so one source serves
+uint8/16/32/64 bit patterns (numba compiles one specialisation per width on first use and
+caches it on disk).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+_ZERO = np.uint64(0)
+_ONE = np.uint64(1)
+_TWO = np.uint64(2)
+_THREE = np.uint64(3)
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+@intrinsic
+def _cttz(typingctx, x):
+    """Count of trailing zero bits of a nonzero uint64 (one instruction: tzcnt/bsf)."""
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def sparse_scan(new, old, limit, advance, gaps, vals, olds):
+    """Find the changed elements of a chunk: their gaps and zig-zagged differences.
+
+    new, old: the chunk's bit patterns (same unsigned dtype). For the j-th changed element:
+    gaps[j] = elements skipped since the previous change, vals[j] = zigzag(new - old) - 1
+    (>= 0: a changed element has a nonzero difference). With `advance`, old becomes new
+    there (olds[j] keeps the overwritten pattern). gaps, vals and olds hold limit + 1.
+
+    The chunk is compared 64 elements at a time into a bit mask whose set bits are then
+    visited, so unchanged stretches cost a vector compare and no mispredicted branch.
+    Indices are unsigned so that no negative-index handling is compiled in.
+
+    Returns (k, largest gap); k == -1 when more than `limit` elements changed, and then
+    `old` is left exactly as it was.
+    """
+    n = np.uint64(new.size)
+    bits = np.uint64(new.itemsize * 8)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> (np.uint64(64) - bits)
+    top = bits - _ONE
+    lim = np.uint64(limit)
+    k = _ZERO
+    nxt = _ZERO  # position after the previous change
+    gmax = _ZERO
+    nfull = n // np.uint64(64)
+    for blk in range(nfull + _ONE):
+        base = np.uint64(blk) * np.uint64(64)
+        m = _ZERO
+        if blk < nfull:  # fixed trip count: LLVM vectorises the compares
+            for j in range(64):
+                u = np.uint64(j)
+                m |= np.uint64(new[base + u] != old[base + u]) << u
+        else:
+            for j in range(n - base):
+                u = np.uint64(j)
+                m |= np.uint64(new[base + u] != old[base + u]) << u
+        while m:
+            i = base + _cttz(m)
+            m &= m - _ONE
+            if k >= lim:
+                if advance:  # put back what was advanced, so the caller can fall back
+                    pos = _ZERO
+                    for j in range(k):
+                        pos += np.uint64(gaps[j])
+                        old[pos] = olds[j]
+                        pos += _ONE
+                return -1, 0
+            gap = i - nxt
+            nxt = i + _ONE
+            gmax = max(gmax, gap)
+            gaps[k] = gap
+            d = (np.uint64(new[i]) - np.uint64(old[i])) & mask
+            zz = ((d << _ONE) & mask) ^ ((_ZERO - ((d >> top) & _ONE)) & mask)
+            vals[k] = zz - _ONE
+            if advance:
+                olds[k] = old[i]
+                old[i] = new[i]
+            k += _ONE
+    return np.int64(k), np.int64(gmax)
+
+
+@numba.njit(nogil=True, cache=True)
+def pack_small(v, packed, esc):
+    """codec.pack_small in one pass: min(v, 3) packed four 2-bit codes to a byte (low bits
+    first, zero padded) into `packed`, and the escapes v - 3 of v >= 3, in order, into esc.
+
+    packed holds (v.size + 3) // 4 bytes, esc v.size + 1 values (every value is stored
+    and kept only if it is an escape, so there is no branch to mispredict). Returns
+    (escapes, largest escape).
+    """
+    k = np.uint64(v.size)
+    ne = _ZERO
+    vmax = _ZERO
+    for q in range((k + _THREE) // np.uint64(4)):
+        byte = _ZERO
+        for r in range(4):
+            j = np.uint64(q) * np.uint64(4) + np.uint64(r)
+            x = np.uint64(v[j]) if j < k else _ZERO
+            vmax = max(vmax, x)
+            esc[ne] = x - _THREE
+            ne += np.uint64(x >= _THREE)
+            byte |= min(x, _THREE) << np.uint64(2 * r)
+        packed[q] = byte
+    return np.int64(ne), vmax - _THREE if ne else _ZERO
+
+
+@numba.njit(nogil=True, cache=True)
+def count_escapes(packed, k):
+    """How many of the first k 2-bit codes in `packed` are 3 (the escape code)."""
+    c = _ZERO
+    for j in range(np.uint64(k)):
+        c += np.uint64((np.uint64(packed[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE == _THREE)
+    return np.int64(c)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _change(j, glow, hpacked, hesc, hi, vpacked, vesc, vi, mask):
+    """(gap, difference mod 2^bits, next high escape, next value escape) of change j.
+
+    Reads of the escape streams are branch-free: they are padded by one element, and the
+    value read is used only when the code is an escape.
+    """
+    gap = np.uint64(glow[j])
+    if hpacked.size:
+        hc = (np.uint64(hpacked[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE
+        he = (_THREE + np.uint64(hesc[hi])) & _U32
+        hi += np.uint64(hc == _THREE)
+        gap |= ((he if hc == _THREE else hc) << np.uint64(8)) & _U32
+    vc = (np.uint64(vpacked[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE
+    ve = (_THREE + np.uint64(vesc[vi])) & mask
+    vi += np.uint64(vc == _THREE)
+    zz = ((ve if vc == _THREE else vc) + _ONE) & mask
+    return gap, (zz >> _ONE) ^ ((_ZERO - (zz & _ONE)) & mask), hi, vi
+
+
+@numba.njit(nogil=True, cache=True)
+def sparse_last(glow, hpacked, hesc):
+    """Position of the last change (relative to the chunk start), -1 if there is none."""
+    pos = _ZERO
+    hi = _ZERO
+    for j in range(np.uint64(glow.size)):
+        gap = np.uint64(glow[j])
+        if hpacked.size:
+            hc = (np.uint64(hpacked[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE
+            he = (_THREE + np.uint64(hesc[hi])) & _U32
+            hi += np.uint64(hc == _THREE)
+            gap |= ((he if hc == _THREE else hc) << np.uint64(8)) & _U32
+        pos += gap + _ONE
+    return np.int64(pos) - 1
+
+
+@numba.njit(nogil=True, cache=True)
+def sparse_decode(glow, hpacked, hesc, vpacked, vesc, idx, diff):
+    """Positions (relative to the chunk start) and differences mod 2^bits of the changes.
+
+    The streams must have been checked with sparse_last (positions inside the chunk).
+    """
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - diff.itemsize * 8)
+    pos = _ZERO
+    hi = _ZERO
+    vi = _ZERO
+    for j in range(np.uint64(glow.size)):
+        gap, d, hi, vi = _change(j, glow, hpacked, hesc, hi, vpacked, vesc, vi, mask)
+        pos += gap
+        idx[j] = pos
+        diff[j] = d
+        pos += _ONE
+
+
+@numba.njit(nogil=True, cache=True)
+def sparse_apply(seg, glow, hpacked, hesc, vpacked, vesc, negate):
+    """seg[position] += difference (or -= with `negate`) for every change, mod 2^bits.
+
+    Decodes and patches in one pass, without materialising positions or differences.
+    Returns False, having written nothing past seg, if a position falls outside seg.
+    """
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - seg.itemsize * 8)
+    n = np.uint64(seg.size)
+    pos = _ZERO
+    hi = _ZERO
+    vi = _ZERO
+    for j in range(np.uint64(glow.size)):
+        gap, d, hi, vi = _change(j, glow, hpacked, hesc, hi, vpacked, vesc, vi, mask)
+        pos += gap
+        if pos >= n:
+            return False
+        if negate:
+            d = (_ZERO - d) & mask
+        seg[pos] = np.uint64(seg[pos]) + d
+        pos += _ONE
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def scatter_add(seg, idx, diff):
+    """seg[idx] += diff modulo 2^bits (idx checked against seg by the caller)."""
+    for j in range(idx.size):
+        seg[idx[j]] += diff[j]

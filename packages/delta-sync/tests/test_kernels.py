@@ -1,0 +1,143 @@
+"""The compiled sparse kernels against the whole-array numpy definition of the format."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.delta_sync import IntegrityError, codec
+
+FLOATS = {
+    1: [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
+    2: [ml_dtypes.bfloat16, np.float16],
+    4: [np.float32],
+    8: [np.float64],
+}
+
+
+def _specials(width: int) -> np.ndarray:
+    """Bit patterns of -0.0, +-inf, NaNs (quiet, signalling, with payloads), subnormals."""
+    u = np.dtype(f"u{width}")
+    top = 1 << (8 * width - 1)
+    vals = {0, top, 1, top | 1, 2, np.iinfo(u).max, np.iinfo(u).max - 1, top - 1}
+    for dt in FLOATS[width]:
+        f = np.array([-0.0, np.inf, -np.inf, np.nan, -np.nan], np.float32).astype(dt)
+        vals.update(f.view(u).tolist())
+        info = ml_dtypes.finfo(dt)
+        tiny = np.array([info.smallest_subnormal, -info.smallest_subnormal], dt)
+        vals.update(tiny.view(u).tolist())
+    return np.array(sorted(vals), u)
+
+
+@st.composite
+def chunks(draw):
+    """(old, new) bit patterns of one chunk: Adam-like +-1 ulp steps, wider steps, special
+    values, random replacements; sizes around the 64-element blocks; gaps past 256 and 768
+    so every escape stream is exercised."""
+    width = draw(st.sampled_from([1, 2, 4, 8]))
+    u = np.dtype(f"u{width}")
+    n = draw(st.sampled_from([1, 3, 63, 64, 65, 127, 129, 1000, 5000, 20000]))
+    density = draw(st.sampled_from([0.0, 0.0005, 0.003, 0.02, 0.1, 0.19, 0.25]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    specials = _specials(width)
+    old = rng.integers(0, np.iinfo(u).max, n, dtype=u, endpoint=True)
+    old[rng.random(n) < 0.05] = rng.choice(specials)
+    new = old.copy()
+    mask = rng.random(n) < density
+    k = int(mask.sum())
+    steps = np.array([1, np.iinfo(u).max, 2, np.iinfo(u).max - 1, 3, 7, 300 % (1 << 8 * width)], u)
+    new[mask] = old[mask] + rng.choice(steps, k)
+    pick = mask & (rng.random(n) < 0.1)
+    new[pick] = rng.choice(specials, int(pick.sum()))
+    pick = mask & (rng.random(n) < 0.05)
+    new[pick] = rng.integers(0, np.iinfo(u).max, int(pick.sum()), dtype=u, endpoint=True)
+    return old, new
+
+
+def _reference(old: np.ndarray, new: np.ndarray) -> codec.EncodedChunk | None:
+    idx = np.flatnonzero(new != old)
+    if not idx.size:
+        return None
+    return codec.encode_sparse(0, idx, old[idx], new[idx], 1)
+
+
+def _record(enc: codec.EncodedChunk) -> tuple[codec.ChunkRecord, list[memoryview]]:
+    rec = codec.ChunkRecord(
+        0, enc.chunk, enc.mode, enc.count, enc.gap_width, enc.value_width,
+        [len(f) for f in enc.frames],
+    )  # fmt: skip
+    return rec, [memoryview(f) for f in enc.frames]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks(), st.booleans())
+def test_scan_matches_the_numpy_encoding_byte_for_byte(chunk, advance) -> None:
+    old, new = chunk
+    k_true = int(np.count_nonzero(new != old))
+    base = old.copy()
+    enc, k = codec.encode_sparse_scan(0, new, base, 1, advance=advance)
+    if k_true > codec.sparse_limit(new.size):
+        assert (enc, k) == (None, -1)
+        assert np.array_equal(base, old)  # left (or put back) exactly as it was
+        return
+    assert k == k_true
+    assert enc == _reference(old, new)
+    assert np.array_equal(base, new if advance else old)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks())
+def test_compiled_decode_and_patch_match_the_numpy_decoder(chunk) -> None:
+    old, new = chunk
+    enc = _reference(old, new)
+    if enc is None:
+        return
+    rec, frames = _record(enc)
+    w = old.itemsize
+    idx_ref, diff_ref = codec.decode_sparse_reference(rec, frames, old.size, w, "t")
+    idx, diff = codec.decode_sparse(rec, frames, old.size, w, "t")
+    assert np.array_equal(idx, idx_ref) and diff.dtype == diff_ref.dtype
+    assert np.array_equal(diff, diff_ref)
+    streams = codec.decompress_sparse(rec, frames, old.size, w, "t")
+    cur = old.copy()
+    codec.apply_streams(cur, streams)
+    assert cur.tobytes() == new.tobytes()
+    codec.apply_streams(cur, streams, negate=True)
+    assert cur.tobytes() == old.tobytes()
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_every_special_value_transition_round_trips(width) -> None:
+    """Each special pattern to each other one (sign flips of zero, NaN payload changes,
+    subnormal to normal), sparse among unchanged elements."""
+    s = _specials(width)
+    a, b = np.meshgrid(s, s)
+    keep = a != b
+    n = 97 * keep.sum()
+    old = np.zeros(n, s.dtype)
+    new = old.copy()
+    pos = np.arange(keep.sum()) * 97 + 13
+    old[pos], new[pos] = a[keep], b[keep]
+    enc, k = codec.encode_sparse_scan(0, new, old.copy(), 1)
+    assert k == pos.size and enc == _reference(old, new)
+    cur = old.copy()
+    codec.apply_streams(cur, codec.decompress_sparse(*_record(enc), n, width, "t"))
+    assert cur.tobytes() == new.tobytes()
+
+
+def test_malformed_sparse_streams_raise_before_writing() -> None:
+    old = np.zeros(4000, np.uint16)
+    new = old.copy()
+    new[[5, 900, 3999]] = [1, 0xFFFF, 7]
+    rec, frames = _record(codec.encode_sparse_scan(0, new, old.copy(), 1)[0])
+    with pytest.raises(IntegrityError, match="beyond chunk"):
+        codec.decompress_sparse(rec, frames, 3999, 2, "t")
+    fields = [getattr(rec, f) for f in rec.__struct_fields__]
+    no_escapes = codec.ChunkRecord(*fields[:5], 0, rec.frames[:-1])  # drop the escape plane
+    with pytest.raises(IntegrityError, match="escape"):
+        codec.decompress_sparse(no_escapes, frames[:-1], 4000, 2, "t")
+    with pytest.raises(IntegrityError, match="frames"):
+        codec.decompress_sparse(rec, frames[:-1], 4000, 2, "t")
