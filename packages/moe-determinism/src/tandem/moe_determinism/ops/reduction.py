@@ -58,21 +58,19 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     all zeros, and there are more of them in prefill than in decode.
     """
     dim = dim % x.dim()
-    n = x.shape[dim]
-    if n == 0:
+    if x.shape[dim] == 0:
         shape = list(x.shape)
         del shape[dim]
         return x.new_zeros(shape)
-    size = 1
-    while size < n:
-        size *= 2
-    if size != n:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = size - n
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    # The zero padding is never materialised: an odd element out pairs with a padding zero,
+    # which is `+ 0` (bit for bit what the padded tree computes, -0 turning into +0 included).
     while x.shape[dim] > 1:
-        x = x.unflatten(dim, (-1, 2))
-        x = x.select(dim + 1, 0) + x.select(dim + 1, 1)
+        n = x.shape[dim]
+        pairs = x.narrow(dim, 0, n - n % 2).unflatten(dim, (-1, 2))
+        summed = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+        if n % 2:
+            summed = torch.cat([summed, x.narrow(dim, n - 1, 1) + 0.0], dim=dim)
+        x = summed
     return x.squeeze(dim)
 
 

@@ -115,10 +115,80 @@ def attention(
         from tandem.moe_determinism.kernels.dispatch import cuda_attention
 
         return cuda_attention(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
-    return _attention_reference(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
+    return _attention_cpu(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
 
 
-def _attention_reference(
+def _visible_prefix(
+    q_positions: torch.Tensor,
+    kv_lengths: torch.Tensor,
+    tq: int,
+    rows: int,
+    rows_p: int,
+    causal: bool,
+) -> torch.Tensor:
+    """[B, rows_p] long: row r sees exactly the keys j < limit[r] (`attention_mask` as a prefix).
+
+    Rows are (head in group, query) pairs, so row r is query r % Tq. Padding rows (r >= rows)
+    always keep key 0 so their softmax stays finite (a NaN there would leak into the key and
+    value gradients through 0 * NaN)."""
+    b = kv_lengths.shape[0]
+    limit = kv_lengths[:, None].expand(b, rows_p)
+    if causal:
+        query_of_row = torch.arange(rows_p, device=q_positions.device) % tq
+        limit = torch.minimum(limit, q_positions[:, query_of_row] + 1)
+    limit = limit.clone()
+    limit[:, rows:] = limit[:, rows:].clamp_min(1)
+    return limit
+
+
+class _GatherBlocks(torch.autograd.Function):
+    """`source.index_select(0, index)` whose backward accumulates with `index_add_` on 2-D
+    views (torch's own formula on the 3-D blocks is several times slower on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.rows = source.shape[0]
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        # On 2-D views: torch's CPU index_add_ is several times faster on [rows, features].
+        out = grad.new_zeros(ctx.rows, grad[0].numel())
+        out.index_add_(0, index, grad.reshape(grad.shape[0], -1))
+        return out.view(ctx.rows, *grad.shape[1:]), None
+
+
+class _SplitTreeSum(torch.autograd.Function):
+    """Per-pair values -> their fixed tree sum over all splits of each query block.
+
+    Forward places the values in a zero-filled dense [blocks, n_sp, ...] grid and applies
+    `tree_sum` over the splits: the reduction order of the dense computation, skipped pairs
+    being its exact zeros. Backward: every leaf of a sum has derivative one, so a pair's
+    gradient is its block's output gradient (exact, no graph through the tree)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        values: torch.Tensor,
+        pair: torch.Tensor,
+        block_of: torch.Tensor,
+        blocks: int,
+        n_sp: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(block_of)
+        grid = values.new_zeros(blocks * n_sp, *values.shape[1:])
+        grid.index_copy_(0, pair, values)
+        return tree_sum(grid.view(blocks, n_sp, *values.shape[1:]), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        (block_of,) = ctx.saved_tensors
+        return grad.index_select(0, block_of), None, None, None, None
+
+
+def _attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -128,6 +198,16 @@ def _attention_reference(
     kv_lengths: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """Split attention on the CPU, computing only the (query block, KV split) pairs in which
+    some row sees some key.
+
+    The reductions are those of the dense block grid [B, Hkv, row blocks, splits]: every
+    per-split sum and partial output is scattered back into a zero-filled grid and reduced
+    by the same tree over splits. A skipped pair contributes exact zeros there (x + 0 == x),
+    and -inf to the row max, exactly as when it was computed and masked; so the result is
+    bit for bit that of the dense grid, while a causal prefill does about half the work.
+    Each computed pair is still one fixed-shape [Q_BLOCK, D] @ [D, split] GEMM.
+    """
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -136,35 +216,46 @@ def _attention_reference(
     n_rb = max(1, -(-rows // Q_BLOCK))
     n_sp = max(1, -(-tk // split))
     rows_p, keys_p = n_rb * Q_BLOCK, n_sp * split
+    dev = q.device
+
+    # Which pairs to compute: a block is active for a split if its widest row reaches into it.
+    limit = _visible_prefix(q_positions, kv_lengths, tq, rows, rows_p, causal)
+    limit = limit.view(b, n_rb, Q_BLOCK)
+    split_start = torch.arange(n_sp, device=dev) * split
+    active = split_start[None, None, :] < limit.amax(-1)[:, :, None]  # [b, n_rb, n_sp]
+    active = active[:, None].expand(b, hkv, n_rb, n_sp).reshape(-1)
+    pair = active.nonzero().squeeze(1)  # flat index into the (b, hkv, n_rb, n_sp) grid
+    sp_of = pair % n_sp
+    block_of = pair // n_sp  # flat (b, hkv, row block)
+    head_of = block_of // n_rb  # flat (b, hkv)
+    kv_block_of = head_of * n_sp + sp_of  # flat (b, hkv, split)
+    row_limit = limit.view(b, 1, n_rb, Q_BLOCK).expand(b, hkv, n_rb, Q_BLOCK)
+    row_limit = row_limit.reshape(-1, Q_BLOCK).index_select(0, block_of)  # [n_act, Q_BLOCK]
 
     # Query rows of one KV head: (head in group, query) flattened, zero-padded to whole blocks.
-    qr = q.reshape(b, hkv, rows, d)
-    qr = F.pad(qr, (0, 0, 0, rows_p - rows)).view(b, hkv, n_rb, 1, Q_BLOCK, d)
-    kp = F.pad(k, (0, 0, 0, keys_p - tk)).view(b, hkv, 1, n_sp, split, d)
-    vp = F.pad(v, (0, 0, 0, keys_p - tk)).view(b, hkv, 1, n_sp, split, dv)
-
-    blocks = b * hkv * n_rb * n_sp
-    q_blk = qr.expand(b, hkv, n_rb, n_sp, Q_BLOCK, d).reshape(blocks, Q_BLOCK, d)
-    k_blk = kp.expand(b, hkv, n_rb, n_sp, split, d).reshape(blocks, split, d)
+    qr = F.pad(q.reshape(b, hkv, rows, d), (0, 0, 0, rows_p - rows)).reshape(-1, Q_BLOCK, d)
+    kp = F.pad(k, (0, 0, 0, keys_p - tk)).reshape(-1, split, d)
+    vp = F.pad(v, (0, 0, 0, keys_p - tk)).reshape(-1, split, dv)
+    q_blk = _GatherBlocks.apply(qr, block_of)
+    k_blk = _GatherBlocks.apply(kp, kv_block_of)
     scores = fixed_shape_bmm(q_blk, k_blk.transpose(1, 2))  # fixed [Q_BLOCK, D] @ [D, split]
-    scores = scores.to(acc_dtype).view(b, hkv, n_rb, n_sp, Q_BLOCK, split) * scale
+    scores = scores.to(acc_dtype) * scale
+    keys = sp_of[:, None] * split + torch.arange(split, device=dev)[None, :]
+    scores = scores.masked_fill(keys[:, None, :] >= row_limit[:, :, None], float("-inf"))
 
-    # Visibility of each (row, key): rows map back to queries by row % Tq.
-    query_of_row = torch.arange(rows_p, device=q.device) % tq
-    pos = q_positions[:, query_of_row]  # [B, rows_p]
-    visible = attention_mask(pos, kv_lengths, keys_p, causal).expand(b, rows_p, keys_p).clone()
-    visible[:, rows:, 0] = True  # padding rows: keep one key so they stay finite
-    visible = visible.view(b, 1, n_rb, Q_BLOCK, n_sp, split).permute(0, 1, 2, 4, 3, 5)
-    scores = scores.masked_fill(~visible, float("-inf"))
+    # Exact row max over every split (skipped ones hold only -inf). It is a constant for
+    # autograd: softmax does not depend on the shift, so its gradient through it is zero.
+    blocks = b * hkv * n_rb
+    with torch.no_grad():
+        m = scores.new_full((blocks * n_sp, Q_BLOCK), float("-inf"))
+        m.index_copy_(0, pair, scores.amax(-1))
+        m = m.view(blocks, n_sp, Q_BLOCK).amax(1)
+    p = torch.exp(scores - m.index_select(0, block_of)[:, :, None])
 
-    # Softmax over all keys: exact max, then per-split fixed sums and a tree over splits.
-    m = scores.amax(dim=(3, 5), keepdim=True)
-    p = torch.exp(scores - m)
-    denom = tree_sum(fixed_sum(p, -1), dim=3)  # [b, hkv, n_rb, Q_BLOCK]
-
-    v_blk = vp.expand(b, hkv, n_rb, n_sp, split, dv).reshape(blocks, split, dv)
-    partial = fixed_shape_bmm(p.to(q.dtype).reshape(blocks, Q_BLOCK, split), v_blk)
-    partial = partial.to(acc_dtype).view(b, hkv, n_rb, n_sp, Q_BLOCK, dv)
-    out = tree_sum(partial, dim=3) / denom[..., None]  # [b, hkv, n_rb, Q_BLOCK, dv]
-    out = out.reshape(b, hkv, rows_p, dv)[:, :, :rows]
+    # Per-split fixed sums and partial outputs, reduced over splits by the dense grid's tree.
+    denom = _SplitTreeSum.apply(fixed_sum(p, -1), pair, block_of, blocks, n_sp)
+    v_blk = _GatherBlocks.apply(vp, kv_block_of)
+    partial = fixed_shape_bmm(p.to(q.dtype), v_blk).to(acc_dtype)  # [n_act, Q_BLOCK, dv]
+    out = _SplitTreeSum.apply(partial, pair, block_of, blocks, n_sp) / denom[..., None]
+    out = out.view(b, hkv, rows_p, dv)[:, :, :rows]
     return out.reshape(b, hq, tq, dv).to(q.dtype)
