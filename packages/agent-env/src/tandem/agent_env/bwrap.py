@@ -71,9 +71,10 @@ def base_args(
 ) -> list[str]:
     """Arguments common to every sandbox (everything but the workspace and the command).
 
-    ``uid`` 0 with ``allow_userns`` (no ``--disable-userns``) is only for the warm grader (see :func:`grader_args`):
-    bwrap then keeps its sandbox in the user namespace that owns its mount namespace, which
-    lets the grader give each job fresh namespaces and its own /proc.
+    ``uid`` 0 with ``allow_userns`` (no ``--disable-userns``) is only for the fork server
+    (see :func:`forkserver_args`): bwrap then keeps its sandbox in the user namespace that owns
+    its mount namespace, which lets the server give each job fresh namespaces and its own
+    /proc.
     """
     args = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(uid), "--gid", str(uid)]
     for d in cfg.system_dirs:
@@ -115,14 +116,16 @@ def base_args(
 LAYERS_MOUNT = "/.layers"
 
 
-def grader_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path, layers: str) -> list[str]:
-    """The warm grader's sandbox: the strict profile, plus the host's layer directory
-    (read-only, at :data:`LAYERS_MOUNT`) and the capabilities *inside its own user namespace*
-    that it needs to build a fresh sandbox per job (mounts, namespaces). Every job drops all
-    of them, and the user-namespace limit, before any test code runs (``_sandbox/grader.py``).
+def forkserver_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path, layers: str) -> list[str]:
+    """The fork server's sandbox: the strict profile, plus the host's layer directory (at
+    :data:`LAYERS_MOUNT`; episodes' upper directories are written through it) and the
+    capabilities *inside its own user namespace* that it needs to build a fresh sandbox per
+    job (mounts, namespaces). Every job detaches the layer directory, enters a user namespace
+    of its own as uid 1000 and drops every capability before it runs untrusted code
+    (``_sandbox/forkserver.py``).
     """
     args = base_args(bwrap, cfg, etc_dir, uid=0, allow_userns=True)
-    args += ["--cap-add", "ALL", "--ro-bind", layers, LAYERS_MOUNT, "--dir", WORKSPACE]
+    args += ["--cap-add", "ALL", "--bind", layers, LAYERS_MOUNT, "--dir", WORKSPACE]
     return [*args, "--remount-ro", "/", "--chdir", "/"]
 
 

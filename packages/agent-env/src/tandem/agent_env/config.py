@@ -43,9 +43,9 @@ class SandboxConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pytest for SWE-bench-style tasks); ``python_paths`` are appended to ``sys.path`` of the
     test runner. ``work_root``: where per-episode copy-on-write layers live (a RAM-backed
     directory, so that writes are charged to the episode's memory cgroup); empty picks
-    /dev/shm when present. ``warm_grader``: grade ``unittest`` tasks in forks of one
-    long-lived grading sandbox, each job in fresh namespaces and its own cgroup (no
-    interpreter start per grading); off, every grading starts a sandbox of its own.
+    /dev/shm when present. ``fork_server``: start episodes' supervisors and ``unittest``
+    gradings as forks of one long-lived sandbox, each in fresh namespaces and its own cgroup
+    (no bwrap or interpreter start per sandbox); off, each starts a bwrap sandbox of its own.
     """
 
     bwrap: str = ""
@@ -58,7 +58,7 @@ class SandboxConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     env: dict[str, str] = {}
     work_root: str = ""
     cgroup_root: str = ""
-    warm_grader: bool = True
+    fork_server: bool = True
     limits: SandboxLimits = SandboxLimits()
 
 

@@ -1,7 +1,8 @@
 """Reward from hidden tests, run in a fresh sandbox over the episode's final workspace.
 
-The sandbox is usually a job of the runtime's warm grader (``warm_grader``: a fork of a
-long-lived grading sandbox that builds fresh namespaces per job), else a one-shot bwrap run.
+The sandbox is usually a job of the runtime's fork server (``forkserver``: a fork of a
+long-lived sandbox with ``unittest`` imported, in fresh namespaces and its own cgroup), else a
+one-shot bwrap run.
 
 The grading sandbox stacks three read-only layers: the task's base, the episode's writes, and
 the hidden tests (plus pristine copies of reset paths) on top, so whatever the agent did to
@@ -25,10 +26,11 @@ import msgspec
 import structlog
 
 from tandem.agent_env import bwrap as bw
+from tandem.agent_env.forkserver import ForkServerError
+from tandem.agent_env.proc import reap, spawn
 from tandem.agent_env.runtime import Runtime
-from tandem.agent_env.session import Session, reap, spawn
+from tandem.agent_env.session import Session
 from tandem.agent_env.task import Task
-from tandem.agent_env.warm_grader import WarmGraderError
 
 log = structlog.get_logger()
 
@@ -57,10 +59,10 @@ def score(task: Task, tests: dict[str, str], partial_credit: bool) -> tuple[floa
 async def grade(
     runtime: Runtime, task: Task, session: Session, timeout_s: float, partial_credit: bool
 ) -> GradeResult:
-    """Run the hidden tests over the episode's final workspace: in the runtime's warm grader
-    when it can serve the task (sandboxed, ``unittest``, layers it can see), else in a
-    one-shot sandbox. A warm-grader problem falls back to the one-shot sandbox; a run that
-    never started there either is an infrastructure fault."""
+    """Run the hidden tests over the episode's final workspace: in a job of the runtime's
+    fork server when it can serve the task (sandboxed, ``unittest``, layers it can see), else
+    in a one-shot sandbox. A fork-server problem falls back to the one-shot sandbox; a run
+    that never started there either is an infrastructure fault."""
     t0 = time.monotonic()
     hidden = runtime.hidden_layer(task, session.base, session.dir / "hidden")
     ids = list(dict.fromkeys([*task.hidden_tests.fail_to_pass, *task.hidden_tests.pass_to_pass]))
@@ -69,18 +71,26 @@ async def grade(
         "framework": task.hidden_tests.framework,
         "paths": list(runtime.config.python_paths),
     }
-    warm = runtime.warm_grader if task.hidden_tests.framework == "unittest" else None
-    if warm is not None:
-        lowers = [warm.layer_path(p) for p in [hidden, *reversed(session.final_layers())]]
+    server = runtime.forkserver if task.hidden_tests.framework == "unittest" else None
+    if server is not None:
+        lowers = [server.layer_path(p) for p in [hidden, *reversed(session.final_layers())]]
         if all(lowers):
             try:
-                out = await warm.run([str(p) for p in lowers], spec, timeout_s)
-            except WarmGraderError as e:
-                log.warning("agent_env.warm_grader_failed", task=task.id, error=str(e))
+                out = await server.grade([str(p) for p in lowers], spec, timeout_s)
+            except ForkServerError as e:
+                log.warning("agent_env.forkserver_grade_failed", task=task.id, error=str(e))
             else:
-                if not out.grader_died:
+                started = any(m.get("started") for m in out.messages)
+                if started and not out.grader_died:
                     return _verdict(task, ids, out.messages, out.timed_out, partial_credit, "", t0)
-                log.warning("agent_env.warm_grader_died", task=task.id)
+                fatal = [str(m["fatal"]) for m in out.messages if m.get("fatal")]
+                log.warning(
+                    "agent_env.forkserver_grade_fault",
+                    task=task.id,
+                    server_died=out.grader_died,
+                    error=(fatal or ["no test started"])[-1],
+                )
+
     messages, timed_out, stderr, error = await _grade_one_shot(
         runtime, session, hidden, spec, timeout_s, task.hidden_tests.framework
     )
@@ -163,7 +173,7 @@ async def _grade_one_shot(
         argv = bw.tool_argv(runtime.config.python, "runner", str(bw.SANDBOX_DIR), flags)
         argv.append(json.dumps(spec))
     try:
-        proc = await spawn(runtime, argv, cgroup, subprocess.PIPE)
+        proc = await spawn(argv, cgroup, subprocess.PIPE)
     except OSError as e:
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)

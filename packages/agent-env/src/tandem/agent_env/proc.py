@@ -14,7 +14,14 @@ import os
 import select
 import signal
 import subprocess
-from typing import IO
+from typing import IO, Any
+
+from tandem.agent_env.cgroups import EpisodeCgroup
+
+# Joins the cgroups before exec'ing bwrap, so that no process of the sandbox starts outside.
+_JOIN = 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"'
+_STREAM_LIMIT = 8 << 20
+
 
 _CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
@@ -134,3 +141,29 @@ class ChildProcess:
         for t in self._transports:
             t.close()
         self._transports = []
+
+
+async def spawn(
+    argv: list[str],
+    cgroup: EpisodeCgroup | None,
+    stderr: Any,
+    stdin: bool = False,
+    pass_fds: tuple[int, ...] = (),
+) -> ChildProcess:
+    """Start ``argv`` inside the cgroup (via a tiny shell that joins it, then execs)."""
+    if cgroup is not None:
+        files = cgroup.procs_files
+        argv = ["/bin/sh", "-c", _JOIN, "sh", files[0], files[-1], *argv]
+    return await ChildProcess.start(
+        argv, stdin=stdin, stderr=stderr, limit=_STREAM_LIMIT, pass_fds=pass_fds
+    )
+
+
+async def reap(proc: ChildProcess, cgroup: EpisodeCgroup | None, remove: bool = True) -> None:
+    """Kill a sandbox and everything in it, and wait for it (and remove its cgroup)."""
+    proc.kill()
+    if cgroup is not None:
+        await asyncio.to_thread(cgroup.remove if remove else cgroup.kill_all)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), 10)
+    proc.close()

@@ -29,9 +29,9 @@ from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import CgroupManager
 from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.forkserver import ForkServer
 from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.task import Task
-from tandem.agent_env.warm_grader import WarmGrader
 
 log = structlog.get_logger()
 
@@ -70,7 +70,7 @@ class Runtime:
         self._episodes = 0
         self.cgroups: CgroupManager | None = None
         self.mounts: MountHelper | None = None
-        self.grader: WarmGrader | None = None
+        self.forkserver: ForkServer | None = None
         self.bwrap = ""
         try:
             if sandboxed:
@@ -88,14 +88,9 @@ class Runtime:
             if self.mounts is not None
             else []
         )
-        if sandboxed and config.warm_grader:
-            self.grader = WarmGrader(self)
+        if sandboxed and config.fork_server:
+            self.forkserver = ForkServer(self)
         atexit.register(self.close)
-
-    @property
-    def warm_grader(self) -> WarmGrader | None:
-        """The warm grader, when this runtime uses one (sandboxed, ``config.warm_grader``)."""
-        return self.grader
 
     @classmethod
     def shared(cls, config: SandboxConfig, sandboxed: bool = True) -> Runtime:
@@ -170,9 +165,9 @@ class Runtime:
         return d
 
     def close(self) -> None:
-        if self.grader is not None:
-            self.grader.abandon()
-            self.grader = None
+        if self.forkserver is not None:
+            self.forkserver.abandon()
+            self.forkserver = None
         if self.mounts is not None:
             self.mounts.close()
             self.mounts = None

@@ -22,47 +22,19 @@ import structlog
 from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
-from tandem.agent_env.proc import ChildProcess
+from tandem.agent_env.forkserver import ForkServerError
+from tandem.agent_env.proc import ChildProcess, reap, spawn
 
 if TYPE_CHECKING:
     from tandem.agent_env.runtime import Runtime
 
 log = structlog.get_logger()
 
-# Joins the cgroups before exec'ing bwrap, so that no process of the sandbox starts outside.
-_JOIN = 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"'
 _STREAM_LIMIT = 8 << 20
 
 
 class SessionLost(Exception):
     """The supervisor died or stopped answering (killed by the command, or an infra fault)."""
-
-
-async def spawn(
-    runtime: Runtime,
-    argv: list[str],
-    cgroup: EpisodeCgroup | None,
-    stderr: Any,
-    stdin: bool = False,
-    pass_fds: tuple[int, ...] = (),
-) -> ChildProcess:
-    """Start ``argv`` inside the cgroup (via a tiny shell that joins it, then execs)."""
-    if cgroup is not None:
-        files = cgroup.procs_files
-        argv = ["/bin/sh", "-c", _JOIN, "sh", files[0], files[-1], *argv]
-    return await ChildProcess.start(
-        argv, stdin=stdin, stderr=stderr, limit=_STREAM_LIMIT, pass_fds=pass_fds
-    )
-
-
-async def reap(proc: ChildProcess, cgroup: EpisodeCgroup | None, remove: bool = True) -> None:
-    """Kill a sandbox and everything in it, and wait for it (and remove its cgroup)."""
-    proc.kill()
-    if cgroup is not None:
-        await asyncio.to_thread(cgroup.remove if remove else cgroup.kill_all)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(proc.wait(), 10)
-    proc.close()
 
 
 class Session:
@@ -77,14 +49,17 @@ class Session:
         self.upper = self.disk / "upper"
         self._mounted = False
         self.workspace = ep_dir / "ws" if not runtime.sandboxed else Path(bw.WORKSPACE)
-        self.proc: ChildProcess | None = None
+        self.proc: ChildProcess | None = None  # a sandbox of its own (bwrap) ...
+        self.forked = False  # ... or a job of the runtime's fork server
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
         self.cgroup: EpisodeCgroup | None = None
         self.starts = 0
         self._released = False
 
-    def _supervisor_config(self) -> str:
+    def _supervisor_config(self) -> dict[str, Any]:
         lim = self.limits
-        return json.dumps(
+        return dict(
             {
                 "workspace": str(self.workspace),
                 "shell": self.runtime.config.shell,
@@ -99,6 +74,41 @@ class Session:
                 "pid_namespace": self.runtime.sandboxed,
             }
         )
+
+    async def _start_forked(self, work: Path) -> bool:
+        """Start the supervisor as a job of the fork server; False if it cannot be used."""
+        server = self.runtime.forkserver
+        if server is None or self.cgroup is None:
+            return False
+        paths = [server.layer_path(p) for p in (self.base, self.upper, work)]
+        if not all(paths):
+            return False
+        job = {
+            "kind": "session",
+            "lowers": [paths[0]],
+            "upper": paths[1],
+            "work": paths[2],
+            "tmp": self.limits.tmp_bytes,
+            "config": self._supervisor_config(),
+        }
+        try:
+            sock = await server.launch(job, self.cgroup)
+        except ForkServerError as e:
+            log.warning("agent_env.forkserver_session_failed", error=str(e))
+            return False
+        self._reader, self._writer = await asyncio.open_unix_connection(
+            sock=sock, limit=_STREAM_LIMIT
+        )
+        self.forked = True
+        try:
+            hello = await self._read(30.0)
+        except SessionLost as e:
+            hello = {"fatal": str(e)}
+        if hello.get("ready"):
+            return True
+        log.warning("agent_env.forkserver_session_failed", error=str(hello.get("fatal", hello)))
+        await self.halt()
+        return False
 
     async def start(self) -> None:
         """Start (or restart) the sandbox; raises SessionLost if it does not come up."""
@@ -116,18 +126,24 @@ class Session:
             if self.cgroup is None:  # kept across restarts: files written stay charged
                 mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
                 self.cgroup = await asyncio.to_thread(rt.cgroups.create, mem, lim.pids)
+            if await self._start_forked(work):
+                return
             argv = rt.base_argv + bw.workspace_args([str(self.base)], str(self.upper), str(work))
             argv += bw.tool_argv(rt.config.python, "supervisor", bw.TOOLS_MOUNT)
         else:
             if not self.workspace.exists():
                 await asyncio.to_thread(shutil.copytree, self.base, self.workspace, symlinks=True)
             argv = bw.tool_argv(sys.executable, "supervisor", str(bw.SANDBOX_DIR))
-        argv.append(self._supervisor_config())
+        argv.append(json.dumps(self._supervisor_config()))
         errlog = open(self.dir / f"stderr{self.starts}", "wb")  # noqa: SIM115 - closed in stop()
         try:
-            self.proc = await spawn(rt, argv, self.cgroup, errlog, stdin=True)
+            self.proc = await spawn(argv, self.cgroup, errlog, stdin=True)
         finally:
             errlog.close()
+        self._reader, self._writer = self.proc.stdout, self.proc.stdin
+        await self._greeting()
+
+    async def _greeting(self) -> None:
         try:
             hello = await self._read(30.0)
         except SessionLost as e:
@@ -146,9 +162,10 @@ class Session:
         return ""
 
     async def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
+        if self._reader is None:
+            raise SessionLost("the sandbox is not running")
         try:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            line = await asyncio.wait_for(self._reader.readline(), timeout)
         except TimeoutError:
             raise SessionLost(f"no answer within {timeout:.0f} s") from None
         except (ValueError, asyncio.LimitOverrunError):
@@ -159,11 +176,11 @@ class Session:
 
     async def request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one request; SessionLost if the supervisor dies or hangs (it is then stopped)."""
-        if self.proc is None or self.proc.stdin is None:
+        if self._writer is None:
             raise SessionLost("the sandbox is not running")
         try:
-            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
-            await self.proc.stdin.drain()
+            self._writer.write(json.dumps(req).encode() + b"\n")
+            await self._writer.drain()
             return await self._read(timeout)
         except (SessionLost, ConnectionError, BrokenPipeError) as e:
             await self.halt()
@@ -175,13 +192,25 @@ class Session:
     def pids_limit_hits(self) -> int:
         return self.cgroup.pids_limit_hits() if self.cgroup else 0
 
+    def _disconnect(self) -> bool:
+        """Forget the connection; True if it was a fork-server job (its cgroup holds it)."""
+        forked, self.forked = self.forked, False
+        if forked and self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+        return forked
+
     async def halt(self) -> None:
         """Kill the sandbox's processes but keep its cgroup (for a restart)."""
+        forked = self._disconnect()
         if self.proc is not None:
             proc, self.proc = self.proc, None
             await reap(proc, self.cgroup, remove=False)
+        elif forked and self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.kill_all)
 
     async def stop(self) -> None:
+        self._disconnect()
         if self.proc is not None:
             proc, self.proc = self.proc, None
             await reap(proc, self.cgroup)

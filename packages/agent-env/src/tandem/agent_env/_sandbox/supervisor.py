@@ -324,8 +324,14 @@ OPS = {
 
 
 def main():
+    serve(loads(sys.argv[1]))
+
+
+def serve(cfg):
+    """Answer requests from stdin on stdout until stdin closes (fd 1 then goes to /dev/null,
+    so nothing but answers reaches the host)."""
     global CFG, WS, SHELL, ENV
-    CFG = loads(sys.argv[1])
+    CFG = cfg
     WS = os.path.realpath(CFG["workspace"])
     SHELL = CFG.get("shell", "/bin/bash")
     ENV = CFG.get("env", {})

@@ -1,5 +1,5 @@
-"""The warm grader: jobs are isolated from each other and from the host, verdicts match the
-one-shot grading sandbox, and faults of the grader are never scored as test failures."""
+"""The warm server: jobs are isolated from each other and from the host, verdicts match the
+one-shot grading sandbox, and faults of the server are never scored as test failures."""
 
 from __future__ import annotations
 
@@ -107,12 +107,12 @@ def test_jobs_are_isolated_from_each_other_and_from_the_host(
 
     async def main() -> list:
         first = await submit(task, config)
-        grader = Runtime.shared(config.sandbox).grader
-        assert grader is not None and grader.proc is not None
-        pid = grader.proc.pid
+        server = Runtime.shared(config.sandbox).forkserver
+        assert server is not None and server.proc is not None
+        pid = server.proc.pid
         await asyncio.sleep(0.6)  # the first job's background process would have written
         rest = await asyncio.gather(*(submit(task, config) for _ in range(4)))
-        assert grader.proc is not None and grader.proc.pid == pid  # the same warm grader
+        assert server.proc is not None and server.proc.pid == pid  # the same fork server
         return [first, *rest]
 
     results = asyncio.run(main())
@@ -171,15 +171,15 @@ PARTIAL = [call("bash", command="rm helpers.py")]
 @pytest.mark.parametrize("calls", [FIX, PARTIAL, []], ids=["fixed", "partial", "untouched"])
 def test_warm_verdicts_match_the_one_shot_sandbox(config: EnvConfig, calls: list) -> None:
     one_shot = msgspec.structs.replace(
-        config, sandbox=msgspec.structs.replace(config.sandbox, warm_grader=False)
+        config, sandbox=msgspec.structs.replace(config.sandbox, fork_server=False)
     )
 
     async def main() -> tuple:
         return await submit(SUM_TASK, config, calls), await submit(SUM_TASK, one_shot, calls)
 
     warm, cold = asyncio.run(main())
-    assert Runtime.shared(config.sandbox).grader is not None
-    assert Runtime.shared(one_shot.sandbox).grader is None
+    assert Runtime.shared(config.sandbox).forkserver is not None
+    assert Runtime.shared(one_shot.sandbox).forkserver is None
     assert warm.info["tests"] == cold.info["tests"]
     assert warm.reward == cold.reward and warm.info["infra_fault"] is cold.info["infra_fault"]
     expected = {"fixed": 1.0, "partial": 0.0, "untouched": 0.0}
@@ -201,34 +201,81 @@ def test_a_memory_bomb_fails_its_own_job_only(config: EnvConfig) -> None:
     assert fixed.reward == 1.0, fixed.info
 
 
-def test_a_grader_killed_between_jobs_is_restarted(config: EnvConfig) -> None:
+def test_a_server_killed_between_jobs_is_restarted(config: EnvConfig) -> None:
     async def main() -> tuple:
         first = await submit(SUM_TASK, config, FIX)
-        grader = Runtime.shared(config.sandbox).grader
-        assert grader is not None and grader.proc is not None
-        starts = grader.starts
-        os.kill(grader.proc.pid, signal.SIGKILL)
+        server = Runtime.shared(config.sandbox).forkserver
+        assert server is not None and server.proc is not None
+        starts = server.starts
+        os.kill(server.proc.pid, signal.SIGKILL)
         await asyncio.sleep(0.2)
         second = await submit(SUM_TASK, config, FIX)
-        return first, second, grader.starts - starts
+        return first, second, server.starts - starts
 
     first, second, restarts = asyncio.run(main())
     assert first.reward == second.reward == 1.0
     assert restarts == 1
 
 
-def test_a_grader_that_cannot_start_falls_back_to_one_shot_grading(config: EnvConfig) -> None:
+def test_a_server_that_cannot_start_falls_back_to_sandboxes_of_their_own(config: EnvConfig) -> None:
     async def main() -> object:
-        grader = Runtime.shared(config.sandbox).grader
-        assert grader is not None
-        grader.abandon()
-        grader.failures = 10**6  # past the restart budget: the warm grader is not used
+        server = Runtime.shared(config.sandbox).forkserver
+        assert server is not None
+        server.abandon()
+        server.failures = 10**6  # past the restart budget: the fork server is not used
         try:
-            res = await submit(SUM_TASK, config, FIX)
-            assert grader.proc is None  # graded by a one-shot sandbox
+            env = Env(SUM_TASK, config)
+            await env.reset()
+            try:
+                assert env._session is not None and not env._session.forked  # bwrap's own
+                for c in FIX:
+                    await env.step(c)
+                res = await env.step(ToolCall("submit"))
+            finally:
+                await env.close()
+            assert server.proc is None  # graded by a one-shot sandbox
             return res
         finally:
-            grader.failures = 0
+            server.failures = 0
 
     res = asyncio.run(main())
     assert res.reward == 1.0 and res.info["infra_fault"] is False
+
+
+def test_episodes_are_forked_sandboxes_isolated_from_each_other(config: EnvConfig) -> None:
+    probe = call(
+        "bash",
+        command=(
+            "id -u; grep -E '^Cap(Eff|Bnd)' /proc/self/status; ls /proc | grep -c '^[0-9]'; "
+            "echo layers=$(ls -A /.layers 2>/dev/null | wc -l); unshare -U true 2>&1 | tail -1; "
+            "echo $RANDOM > /tmp/mine; ls /tmp; ip -o link 2>/dev/null | wc -l"
+        ),
+    )
+
+    async def one(i: int) -> str:
+        env = Env(SUM_TASK, config)
+        await env.reset()
+        try:
+            assert env._session is not None and env._session.forked
+            await env.step(call("write_file", path=f"only-{i}.txt", content="x"))
+            out = (await env.step(probe)).observation.content
+            listing = (await env.step(call("list_dir"))).observation.content
+            return out + "\n" + listing
+        finally:
+            await env.close()
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    for i, out in enumerate(asyncio.run(main())):
+        lines = out.splitlines()
+        assert lines[0] == "1000", out
+        assert lines[1].split() == ["CapEff:", "0000000000000000"], out
+        assert lines[2].split() == ["CapBnd:", "0000000000000000"], out
+        assert int(lines[3]) <= 5, out  # init, supervisor, bash, ls, grep: nothing else
+        assert lines[4] == "layers=0", out  # the host's layers are detached
+        assert "Operation not permitted" in lines[5] or "No space left" in lines[5], out
+        assert lines[6] == "mine", out  # a /tmp of its own
+        assert f"only-{i}.txt" in out and not any(
+            f"only-{j}.txt" in out for j in range(6) if j != i
+        )

@@ -1,25 +1,29 @@
-"""Warm grading server: runs inside a long-lived sandbox, forks one isolated job per grading.
+"""Fork server: runs inside one long-lived sandbox and forks a fresh sandbox per job.
 
-Starting a fresh interpreter and importing ``unittest`` costs more than most hidden test suites
-take to run. This server pays that once: it imports the test runner and ``unittest``, then for
-each job forks a child that inherits the warm interpreter and builds a sandbox of its own
-before any test code runs:
+Starting bwrap and a Python interpreter costs a sandbox ~40 ms of CPU on a small machine, and
+importing ``unittest`` for grading as much again: more than an episode's tool calls or a small
+hidden test suite. This server pays for that once (it imports the supervisor, the test runner
+and ``unittest``), then for each job forks a child that inherits the warm interpreter and
+builds a sandbox of its own before any untrusted code runs:
 
 - the child first reports to the host over the job's socket (the kernel attaches its host pid),
   and waits until the host has moved it into the job's own memory and pids cgroup;
-- it then takes new mount, pid, network, IPC and UTS namespaces: a fresh overlay of the
-  episode's final workspace with the hidden tests on top and a size-capped tmpfs for writes,
-  fresh ``/tmp`` and ``/dev/shm``, its own ``/proc`` that shows only its processes, only a
-  loopback interface, and the host's layer directory detached from its view;
-- it drops every capability (bounding set, ambient set, securebits locked, no user
-  namespaces) and closes every descriptor but the job's socket, then runs the tests.
+- it then takes new mount, pid, network, IPC and UTS namespaces: the workspace as an overlay
+  (an episode's own upper directory, or for grading a throwaway one over the final workspace
+  with the hidden tests on top), fresh size-capped ``/tmp`` and ``/dev/shm``, its own
+  ``/proc`` that shows only its processes, only a loopback interface, and the host's layer
+  directory detached from its view;
+- it enters a user namespace of its own as uid 1000 with no capabilities, no way back to them
+  and no further user namespaces, and closes every descriptor but the job's socket.
 
-When the job's first process exits, the kernel kills everything left in its pid namespace, so
-nothing a job started survives into the next one; what a job wrote lived in its own tmpfs.
+Pid 1 of a job's namespaces is its init; when it exits the kernel kills everything left
+there, so nothing a job started survives it. A ``session`` job runs the episode supervisor as
+pid 2 on the socket (like bwrap's init and the supervisor); a ``grade`` job runs the hidden
+tests in pid 1 itself.
 
 Stdlib only (plus ``ctypes`` for the system calls Python does not wrap); the protocol with the
-host is one JSON job spec per SOCK_SEQPACKET message on fd ``argv[1]``, carrying the job's
-socket as SCM_RIGHTS.
+host is one JSON job per SOCK_SEQPACKET message on fd ``argv[1]``, carrying the job's socket
+as SCM_RIGHTS.
 """
 
 import ctypes
@@ -31,17 +35,20 @@ import struct
 import sys
 
 try:
-    from . import runner
+    from . import runner, supervisor
     from .jsonlite import dumps, loads
 except ImportError:  # imported from the tools directory, not as a package
     import runner
+    import supervisor
     from jsonlite import dumps, loads
 
 import unittest  # noqa: F401 - imported once here, inherited warm by every job
 
+_OWN_MODULES = ("forkserver", "runner", "supervisor", "shell", "jsonlite")
+
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-_CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
+_CLONE_NEWPID, _CLONE_NEWNET, _CLONE_NEWUSER = 0x20000000, 0x40000000, 0x10000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 1 << 14, 1 << 18
 _MNT_DETACH = 2
@@ -51,6 +58,7 @@ _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x80
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
 _LAYERS = "/.layers"
+_UID = 1000
 _WS = "/workspace"
 
 
@@ -82,26 +90,24 @@ def _setup_mounts(job):
     """Inside the job's new mount namespace: its workspace, scratch space and /proc."""
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
     scratch = "/tmp"
-    _mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(job['disk'])},mode=755")
-    for d in ("upper", "work"):
-        os.mkdir(f"{scratch}/{d}", 0o755)
+    if job.get("upper"):  # an episode's own (size-capped, host-visible) upper directory
+        upper, work = f"{_LAYERS}/{job['upper']}", f"{_LAYERS}/{job['work']}"
+    else:  # grading: writes go to a throwaway tmpfs
+        _mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(job['disk'])}")
+        upper, work = f"{scratch}/upper", f"{scratch}/work"
+        os.mkdir(upper, 0o755)
+        os.mkdir(work, 0o755)
     lowers = ":".join(_esc(f"{_LAYERS}/{p}") for p in job["lowers"])  # top layer first
-    opts = f"lowerdir={lowers},upperdir={scratch}/upper,workdir={scratch}/work,userxattr"
+    opts = f"lowerdir={lowers},upperdir={_esc(upper)},workdir={_esc(work)},userxattr"
     _mount("overlay", _WS, "overlay", _MS_NOSUID | _MS_NODEV, opts)
     # the overlay keeps its layers; the host's layer directory leaves this view entirely
     _check(_LIBC.umount2(_LAYERS.encode(), _MNT_DETACH), f"umount {_LAYERS}")
-    _check(_LIBC.umount2(scratch.encode(), _MNT_DETACH), "detach the scratch tmpfs")
+    if not job.get("upper"):
+        _check(_LIBC.umount2(scratch.encode(), _MNT_DETACH), "detach the scratch tmpfs")
     tmp = f"size={int(job['tmp'])},mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, tmp)
     _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, tmp)
     _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    with open("/proc/sys/user/max_user_namespaces", "w") as f:  # no user namespaces from here
-        f.write("0")
-    for sub in ("sys", "sysrq-trigger", "irq", "bus"):  # as bwrap does: read-only there
-        path = f"/proc/{sub}"
-        if os.path.exists(path):
-            _mount(path, path, None, _MS_BIND | _MS_REC)
-            _mount("none", path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY)
 
 
 def _loopback_up():
@@ -109,6 +115,33 @@ def _loopback_up():
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH", b"lo", 0x1 | 0x40))  # UP|RUNNING
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _become_agent():
+    """A user namespace of the job's own, as uid/gid 1000 (the sandbox's user, mapped to
+    the same host user as before), with no further user namespaces and no capabilities."""
+    uid, gid = os.geteuid(), os.getegid()  # in the server's namespace, before leaving it
+    _check(_LIBC.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{_UID} {uid} 1")
+    _write("/proc/self/gid_map", f"{_UID} {gid} 1")
+    _write("/proc/sys/user/max_user_namespaces", "0")
+    # /proc/sys is writable for our host uid until covered (as bwrap does): the cover is made
+    # in a mount namespace owned by the new user namespace, so it cannot be undone from here
+    _check(_LIBC.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    for sub in ("sys", "sysrq-trigger", "irq", "bus"):
+        path = f"/proc/{sub}"
+        if os.path.exists(path):
+            _mount(path, path, None, _MS_BIND | _MS_REC)
+            locked = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC  # kept: they are locked here
+            _mount("none", path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | locked)
+    if os.getuid() != _UID or os.getgid() != _UID:
+        raise OSError(0, f"expected uid {_UID}, got {os.getuid()}")
 
 
 def _drop_privileges():
@@ -149,26 +182,19 @@ def _fatal(sock, text):
         pass
 
 
-def _job_init(job, sock):
-    """Pid 1 of the job's namespaces: build its sandbox, then run the tests in-process."""
-    try:
-        _setup_mounts(job)
-        _loopback_up()
-        _drop_privileges()
-        _limits(job)
-    except Exception as e:
-        _fatal(sock, f"grading sandbox setup failed: {type(e).__name__}: {e}")
-        os._exit(70)
-    # workspace modules may have these names; the functions below are already bound
-    for name in ("grader", "runner", "jsonlite"):
-        sys.modules.pop(name, None)
+def _close_fds_but(keep):
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 65536)
+
+
+def _run_grade(job, sock):
+    """Pid 1 of a grading job: run the tests in this (warm) interpreter."""
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     results = os.fdopen(os.dup(sock.fileno()), "w", buffering=1)
     sock.close()
-    os.closerange(3, results.fileno())
-    os.closerange(results.fileno() + 1, 65536)
+    _close_fds_but(results.fileno())
     spec = dict(job["spec"], workspace=_WS)
     try:
         runner.run(spec, results)
@@ -178,6 +204,54 @@ def _job_init(job, sock):
         os._exit(71)
     results.flush()
     os._exit(0)
+
+
+def _run_session(job, sock):
+    """Pid 1 of an episode: the supervisor runs as pid 2 on the socket; this init reaps
+    orphans and exits with it (which ends every process the episode left)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            os.dup2(sock.fileno(), 0)
+            os.dup2(sock.fileno(), 1)
+            null = os.open("/dev/null", os.O_WRONLY)
+            os.dup2(null, 2)
+            sock.close()
+            _close_fds_but(2)
+            supervisor.serve(job["config"])
+        finally:
+            os._exit(0)
+    sock.close()
+    _close_fds_but(2)
+    while True:
+        try:
+            done, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        except InterruptedError:
+            continue
+        if done == pid:
+            os._exit(min(255, max(0, os.waitstatus_to_exitcode(status))))
+
+
+def _job_init(job, sock):
+    """Pid 1 of the job's namespaces: build its sandbox, then run the job."""
+    try:
+        _setup_mounts(job)
+        _loopback_up()
+        _become_agent()
+        _drop_privileges()
+        _limits(job)
+    except Exception as e:
+        _fatal(sock, f"sandbox setup failed: {type(e).__name__}: {e}")
+        os._exit(70)
+    for name in _OWN_MODULES:  # workspace modules may have these names
+        sys.modules.pop(name, None)
+    if job.get("kind") == "session":
+        _run_session(job, sock)
+    else:
+        _run_grade(job, sock)
 
 
 def _job(job, sock):
@@ -202,7 +276,7 @@ def _job(job, sock):
         _, status = os.waitpid(pid, 0)
         os._exit(min(255, max(0, os.waitstatus_to_exitcode(status))))
     except BaseException as e:
-        _fatal(sock, f"grading job failed to start: {type(e).__name__}: {e}")
+        _fatal(sock, f"job failed to start: {type(e).__name__}: {e}")
         os._exit(73)
 
 
@@ -225,7 +299,7 @@ def main():
             job = loads(msg.decode("utf-8"))
             pid = os.fork()
         except Exception as e:
-            _fatal(sock, f"grading job was not started: {type(e).__name__}: {e}")
+            _fatal(sock, f"job was not started: {type(e).__name__}: {e}")
             sock.close()
             continue
         if pid == 0:

@@ -1,16 +1,18 @@
-"""The warm grader: one long-lived grading sandbox per runtime that forks a sandbox per job.
+"""The fork server: one long-lived sandbox per runtime that forks a fresh sandbox per job.
 
-A one-shot grading sandbox spends most of its CPU starting a Python interpreter and importing
-``unittest`` (about 70 ms on a small machine), several times what a small hidden test suite
-takes. The warm grader (``_sandbox/grader.py``) pays that once and forks a child per job that
-still gets what a fresh sandbox gives: its own mount, pid, network, IPC and UTS namespaces, a
-fresh copy-on-write view of the episode's final workspace with the hidden tests on top, fresh
-``/tmp``, no capabilities, and its own memory and pids cgroup (this side moves it there before
-it runs anything), all torn down when the job ends.
+A sandbox started from scratch (bwrap, then a Python interpreter, and for grading ``import
+unittest``) costs tens of milliseconds of CPU, more than an episode's tool calls or a small
+hidden test suite. The fork server (``_sandbox/forkserver.py``) pays that once and forks a
+child per job, an episode's supervisor or a grading run, that still gets what a fresh bwrap
+sandbox gives: its own mount, pid, network, IPC, UTS and user namespaces, the workspace as an
+overlay (an episode's own upper directory; for grading a throwaway one over the final
+workspace with the hidden tests on top), fresh ``/tmp``, uid 1000 with no capabilities, and
+its own memory and pids cgroup (this side moves it there before it runs anything).
 
-Each job talks to this process over its own socket pair (passed to the grader as SCM_RIGHTS),
-so one job cannot see or forge another's results; the job's host pid comes from the socket's
-credentials, which the kernel translates across pid namespaces.
+Each job talks to this process over its own socket pair (passed to the server as SCM_RIGHTS),
+so one job cannot see or forge another's traffic; the job's host pid comes from the socket's
+credentials, which the kernel translates across pid namespaces. When the fork server cannot
+be used, sessions and grading start sandboxes of their own (bwrap per sandbox) instead.
 """
 
 from __future__ import annotations
@@ -28,18 +30,19 @@ import structlog
 
 from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import EpisodeCgroup
-from tandem.agent_env.proc import ChildProcess
-from tandem.agent_env.session import reap, spawn
+from tandem.agent_env.proc import ChildProcess, reap, spawn
 
 log = structlog.get_logger()
 
 _START_TIMEOUT_S = 30.0
 _HANDSHAKE_TIMEOUT_S = 30.0
 _MAX_FAILURES = 3
+_SERVER_PIDS = 4096
 
 
-class WarmGraderError(Exception):
-    """The warm grader could not run a job (an infrastructure problem, not a test result)."""
+class ForkServerError(Exception):
+    """The fork server could not start a job (an infrastructure problem, not a job's own
+    result); callers fall back to a sandbox of their own."""
 
 
 class JobOutput:
@@ -51,8 +54,8 @@ class JobOutput:
         self.grader_died = False
 
 
-class WarmGrader:
-    """Client of the warm grading sandbox of one :class:`~tandem.agent_env.runtime.Runtime`."""
+class ForkServer:
+    """Client of the fork server of one :class:`~tandem.agent_env.runtime.Runtime`."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
@@ -61,13 +64,12 @@ class WarmGrader:
         self.ctl: socket.socket | None = None
         self.starts = 0
         self.failures = 0  # consecutive failed starts; past _MAX_FAILURES it is not used
-        self.disabled = ""  # why the warm grader is not used (then grading is one-shot)
         self._lock = asyncio.Lock()
         self._lock_loop: asyncio.AbstractEventLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started proc
 
     def layer_path(self, path: Path | str) -> str | None:
-        """A host layer's path as the grader sees it, or None if it cannot see it."""
+        """A host layer's path as the fork server sees it, or None if it cannot see it."""
         rel = os.path.relpath(os.path.realpath(path), os.path.realpath(self.runtime.root))
         if rel == "." or rel.startswith(("..", "/")):
             return None
@@ -88,33 +90,34 @@ class WarmGrader:
         if self.proc is not None:
             return
         if self.failures >= _MAX_FAILURES:
-            raise WarmGraderError(
-                f"the warm grader failed to start {self.failures} times; not restarting"
+            raise ForkServerError(
+                f"the fork server failed to start {self.failures} times; not restarting"
             )
         self.starts += 1
         rt = self.runtime
         lim = rt.config.limits
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        errlog_path = rt.root / f"grader-stderr{self.starts}"
+        errlog_path = rt.root / f"forkserver-stderr{self.starts}"
         try:
+            # jobs are forked here and moved to their own cgroups at once: room for many
             self.cgroup = await asyncio.to_thread(
-                rt.cgroups.create, lim.memory_bytes + lim.tmp_bytes, lim.pids, "grader"
+                rt.cgroups.create, lim.memory_bytes + lim.tmp_bytes, _SERVER_PIDS, "forkserver"
             )
             argv = [
                 *rt.mounts.ns_prefix,
-                *bw.grader_args(rt.bwrap, rt.config, rt.root / "etc", str(rt.root)),
+                *bw.forkserver_args(rt.bwrap, rt.config, rt.root / "etc", str(rt.root)),
             ]
-            argv += bw.tool_argv(rt.config.python, "grader", bw.TOOLS_MOUNT)
+            argv += bw.tool_argv(rt.config.python, "forkserver", bw.TOOLS_MOUNT)
             argv.append(str(theirs.fileno()))
             with open(errlog_path, "wb") as errlog:
-                self.proc = await spawn(rt, argv, self.cgroup, errlog, pass_fds=(theirs.fileno(),))
+                self.proc = await spawn(argv, self.cgroup, errlog, pass_fds=(theirs.fileno(),))
             theirs.close()
             mine.setblocking(False)
             self.ctl = mine
             self._loop = loop
             hello = await asyncio.wait_for(loop.sock_recv(mine, 64), _START_TIMEOUT_S)
             if hello != b"ready":
-                raise WarmGraderError(f"unexpected greeting {hello!r}")
+                raise ForkServerError(f"unexpected greeting {hello!r}")
         except BaseException as e:
             theirs.close()
             self.failures += 1
@@ -123,10 +126,10 @@ class WarmGrader:
             with contextlib.suppress(OSError):
                 detail = errlog_path.read_bytes()[-800:].decode("utf-8", "replace")
             if isinstance(e, Exception):
-                raise WarmGraderError(f"the warm grader did not start: {e!r}; {detail}") from e
+                raise ForkServerError(f"the fork server did not start: {e!r}; {detail}") from e
             raise
         self.failures = 0
-        log.info("agent_env.warm_grader_started", pid=self.proc.pid if self.proc else None)
+        log.info("agent_env.forkserver_started", pid=self.proc.pid if self.proc else None)
 
     async def _stop(self) -> None:
         if self.ctl is not None:
@@ -140,7 +143,7 @@ class WarmGrader:
         self.cgroup = None
 
     def abandon(self) -> None:
-        """Stop the grader without an event loop (the one that started it may be closed)."""
+        """Stop the server without an event loop (the one that started it may be closed)."""
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None
@@ -154,66 +157,94 @@ class WarmGrader:
             self.cgroup.remove()
             self.cgroup = None
 
-    async def run(self, lowers: list[str], spec: dict[str, Any], timeout_s: float) -> JobOutput:
-        """Run one job over ``lowers`` (grader-side layer paths, top first); raises
-        :class:`WarmGraderError` when the job could not be started."""
-        async with self._locked():
-            await self._ensure()
-            assert self.ctl is not None and self.proc is not None
-            ctl, proc = self.ctl, self.proc
-        rt = self.runtime
-        lim = rt.config.limits
-        job = {
-            "lowers": lowers,
-            "spec": spec,
-            "disk": lim.disk_bytes,
-            "tmp": lim.tmp_bytes,
-            "cpu": lim.cpu_seconds,
-            "fsize": lim.file_size_bytes,
-            "nofile": lim.open_files,
-        }
+    async def launch(self, job: dict[str, Any], cgroup: EpisodeCgroup) -> socket.socket:
+        """Start one job in ``cgroup``; returns its connected socket (non-blocking) once the
+        job runs there. Raises :class:`ForkServerError` if it could not be started."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         mine.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         mine.setblocking(False)
-        cgroup: EpisodeCgroup | None = None
-        out = JobOutput()
         try:
+            # one sender at a time: a full queue is waited for with one writer callback
+            async with self._locked():
+                await self._ensure()
+                assert self.ctl is not None
+                try:
+                    await _send_job(self.ctl, json.dumps(job).encode(), theirs.fileno())
+                except OSError as e:
+                    msg = f"could not send the job to the fork server: {e}"
+                    raise ForkServerError(msg) from e
+                finally:
+                    theirs.close()
             try:
-                socket.send_fds(ctl, [json.dumps(job).encode()], [theirs.fileno()])
-            except OSError as e:
-                raise WarmGraderError(f"could not send the job to the warm grader: {e}") from e
-            finally:
-                theirs.close()
-            pid, first = await asyncio.wait_for(_recv_creds(mine), _HANDSHAKE_TIMEOUT_S)
-            if first != b"r":  # the grader reports why it could not start the job
+                pid, first = await asyncio.wait_for(_recv_creds(mine), _HANDSHAKE_TIMEOUT_S)
+            except (TimeoutError, ConnectionError) as e:
+                raise ForkServerError(f"the job did not report: {e!r}") from e
+            if first != b"r":  # the server reports why it could not start the job
                 rest = await _read_all(mine, 5.0)
-                raise WarmGraderError(
-                    "grading job did not start: " + (first + rest).decode("utf-8", "replace")
-                )
-            mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
-            cgroup = rt.cgroups.create(mem, lim.pids)
+                text = (first + rest).decode("utf-8", "replace")
+                raise ForkServerError(f"the job did not start: {text}")
             try:
                 for f in cgroup.procs_files:
                     Path(f).write_text(str(pid))
             except OSError as e:
-                msg = f"could not move grading job {pid} into its cgroup: {e}"
-                raise WarmGraderError(msg) from e
+                msg = f"could not move job {pid} into its cgroup: {e}"
+                raise ForkServerError(msg) from e
             await asyncio.get_running_loop().sock_sendall(mine, b"g")
-            reader, writer = await asyncio.open_unix_connection(sock=mine, limit=1 << 22)
+        except BaseException:
+            mine.close()
+            theirs.close()
+            raise
+        return mine
+
+    def alive(self) -> bool:
+        return self.proc is not None and not self.proc.has_exited()
+
+    async def grade(self, lowers: list[str], spec: dict[str, Any], timeout_s: float) -> JobOutput:
+        """Run the hidden tests over ``lowers`` (server-side layer paths, top first) in a
+        job of its own cgroup; raises :class:`ForkServerError` if it could not start."""
+        rt = self.runtime
+        lim = rt.config.limits
+        job = {
+            "kind": "grade",
+            "lowers": lowers,
+            "spec": spec,
+            "disk": lim.disk_bytes,
+            "tmp": lim.tmp_bytes,
+            "fsize": lim.file_size_bytes,
+            "nofile": lim.open_files,
+        }
+        mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
+        cgroup = await asyncio.to_thread(rt.cgroups.create, mem, lim.pids)
+        out = JobOutput()
+        try:
+            sock = await self.launch(job, cgroup)
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 22)
             try:
                 await asyncio.wait_for(_read_lines(reader, out), timeout_s)
             except TimeoutError:
                 out.timed_out = True
             finally:
                 writer.close()
-            out.grader_died = proc.has_exited()
+            out.grader_died = not self.alive()
             return out
-        except (TimeoutError, ConnectionError) as e:
-            raise WarmGraderError(f"grading job handshake failed: {e!r}") from e
         finally:
-            mine.close()
-            if cgroup is not None:
-                await asyncio.to_thread(cgroup.remove)
+            await asyncio.to_thread(cgroup.remove)
+
+
+async def _send_job(ctl: socket.socket, data: bytes, fd: int) -> None:
+    """One job message with its socket attached; waits while the server's queue is full."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            socket.send_fds(ctl, [data], [fd])
+            return
+        except BlockingIOError:
+            fut = loop.create_future()
+            loop.add_writer(ctl.fileno(), fut.set_result, None)
+            try:
+                await fut
+            finally:
+                loop.remove_writer(ctl.fileno())
 
 
 async def _recv_creds(sock: socket.socket) -> tuple[int, bytes]:
@@ -232,12 +263,12 @@ async def _recv_creds(sock: socket.socket) -> tuple[int, bytes]:
             finally:
                 loop.remove_reader(sock.fileno())
     if not data:
-        raise WarmGraderError("the grading job closed its socket before starting")
+        raise ForkServerError("the grading job closed its socket before starting")
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
             pid, _, _ = struct.unpack("iII", payload[:size])
             return pid, data
-    raise WarmGraderError("no credentials on the grading job's socket")
+    raise ForkServerError("no credentials on the grading job's socket")
 
 
 async def _read_all(sock: socket.socket, timeout_s: float) -> bytes:
