@@ -64,37 +64,36 @@ class Shell:
         ctl_r, self.ctl = os.pipe()
         self.st, st_w = os.pipe()
         self.out, out_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setsid()
-                for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_DFL)
-                if self.cpu_s:
-                    cpu = int(self.cpu_s)
-                    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-                try:
-                    with open("/proc/self/oom_score_adj", "w") as f:
-                        f.write("1000")
-                except OSError:
-                    pass
-                os.chdir(self.ws)
-                null = os.open("/dev/null", os.O_RDONLY)
-                os.dup2(null, 0)
-                os.dup2(out_w, 1)
-                os.dup2(out_w, 2)
-                os.dup2(ctl_r, _CTL)
-                os.dup2(st_w, _STATUS)
-                os.closerange(3, _STATUS)
-                os.closerange(_CTL + 1, 65536)
-                os.execve(self.argv[0], self.argv, self.env)
-            except BaseException as e:
-                try:
-                    os.write(2, f"shell start failed: {e}\n".encode())
-                finally:
-                    os._exit(127)
-        for fd in (ctl_r, st_w, out_w):
-            os.close(fd)
+        # posix_spawn (vfork+exec) instead of fork: the supervisor may be a fork of a large
+        # warm interpreter, whose page tables a fork would copy. The new fds are dup2'd
+        # (inheritable); every other fd of ours is close-on-exec.
+        try:
+            pid = os.posix_spawn(
+                self.argv[0],
+                self.argv,
+                self.env,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_DUP2, out_w, 1),
+                    (os.POSIX_SPAWN_DUP2, out_w, 2),
+                    (os.POSIX_SPAWN_DUP2, ctl_r, _CTL),
+                    (os.POSIX_SPAWN_DUP2, st_w, _STATUS),
+                ],
+                setsid=True,
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM),
+            )
+        finally:
+            for fd in (ctl_r, st_w, out_w):
+                os.close(fd)
+        # safe after the start: the shell reads its first command before running anything
+        if self.cpu_s:
+            cpu = int(self.cpu_s)
+            resource.prlimit(pid, resource.RLIMIT_CPU, (cpu, cpu + 1))
+        try:
+            with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
         for fd in (self.ctl, self.st, self.out):
             os.set_blocking(fd, False)
         self.pid = pid
