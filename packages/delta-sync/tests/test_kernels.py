@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.delta_sync import IntegrityError, codec
+from tandem.delta_sync import IntegrityError, apply_delta, codec, encode_delta
 
 FLOATS = {
     1: [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
@@ -141,3 +141,16 @@ def test_malformed_sparse_streams_raise_before_writing() -> None:
         codec.decompress_sparse(no_escapes, frames[:-1], 4000, 2, "t")
     with pytest.raises(IntegrityError, match="frames"):
         codec.decompress_sparse(rec, frames[:-1], 4000, 2, "t")
+
+
+def test_read_only_states_encode_and_the_base_is_never_written() -> None:
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 2**16, 300_000, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    new = base.copy()
+    new.view(np.uint16)[rng.random(base.size) < 0.03] += np.uint16(1)
+    for a in (base, new):
+        a.flags.writeable = False
+    blob = encode_delta({"w": base}, {"w": new}, chunk_bytes=1 << 16)
+    target = {"w": base.copy()}
+    apply_delta(target, blob)
+    assert target["w"].tobytes() == new.tobytes()

@@ -24,7 +24,6 @@ import msgspec
 import numpy as np
 import zstandard
 
-from tandem.delta_sync import kernels
 from tandem.delta_sync.dtypes import INT_BY_WIDTH, UINT_BY_WIDTH
 from tandem.delta_sync.errors import IntegrityError
 from tandem.delta_sync.tensors import HostTensor, TensorView
@@ -238,9 +237,12 @@ def encode_sparse_scan(
     the dense encodings), and (None, 0) for an unchanged chunk. With `advance`, old becomes
     new wherever it changed.
     """
+    from tandem.delta_sync import kernels  # numba: imported on first use
+
     limit = sparse_limit(new.size)
     b = _scan_buffers(limit, new.itemsize)
-    k, gmax = kernels.sparse_scan(new, old, limit, advance, b.gaps, b.vals, b.olds)
+    dst = old if advance else b.olds[:1]  # written only when advancing
+    k, gmax = kernels.sparse_scan(new, old, dst, limit, advance, b.gaps, b.vals, b.olds)
     if k <= 0:
         return None, k
     cctx = _cctx(level)
@@ -372,6 +374,8 @@ def decompress_sparse(
 
     After this, every position lies inside the chunk, so patching cannot fail midway.
     """
+    from tandem.delta_sync import kernels  # numba: imported on first use
+
     gw, ew, k = rec.gap_width, rec.value_width, rec.count
     if not 1 <= gw <= 6 or ew > itemsize or k > n:
         raise IntegrityError(f"{where}: malformed sparse chunk (widths {gw}/{ew}, {k} of {n})")
@@ -380,7 +384,7 @@ def decompress_sparse(
         raise IntegrityError(f"{where}: malformed sparse chunk ({len(frames)} frames)")
     packed_len = (k + 3) // 4
     glow = _plane(frames[0], k, where)
-    hpacked = np.empty(0, np.uint8)
+    hpacked = np.frombuffer(b"", np.uint8)  # read-only like the planes: one compiled variant
     hesc = np.zeros(1, np.uint32)
     if gw >= 2:
         hpacked = _plane(frames[1], packed_len, where)
@@ -399,6 +403,8 @@ def decompress_sparse(
 
 def decode_streams(s: SparseStreams, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
     """(positions relative to the chunk start, differences mod 2^bits) of checked streams."""
+    from tandem.delta_sync import kernels  # numba: imported on first use
+
     idx = np.empty(s.count, np.uint32)
     diff = np.empty(s.count, UINT_BY_WIDTH[itemsize])
     kernels.sparse_decode(s.glow, s.hpacked, s.hesc, s.vpacked, s.vesc, idx, diff)
@@ -407,6 +413,8 @@ def decode_streams(s: SparseStreams, itemsize: int) -> tuple[np.ndarray, np.ndar
 
 def apply_streams(cur: np.ndarray, s: SparseStreams, *, negate: bool = False) -> None:
     """cur (one chunk's bit patterns) += the streams' differences (-= with negate)."""
+    from tandem.delta_sync import kernels  # numba: imported on first use
+
     if not kernels.sparse_apply(cur, s.glow, s.hpacked, s.hesc, s.vpacked, s.vesc, negate):
         raise IntegrityError(f"sparse patch of {s.count} changes reaches past {cur.size}")
 

@@ -39,20 +39,21 @@ def _cttz(typingctx, x):
 
 
 @numba.njit(nogil=True, cache=True)
-def sparse_scan(new, old, limit, advance, gaps, vals, olds):
+def sparse_scan(new, old, dst, limit, advance, gaps, vals, olds):
     """Find the changed elements of a chunk: their gaps and zig-zagged differences.
 
     new, old: the chunk's bit patterns (same unsigned dtype). For the j-th changed element:
     gaps[j] = elements skipped since the previous change, vals[j] = zigzag(new - old) - 1
-    (>= 0: a changed element has a nonzero difference). With `advance`, old becomes new
-    there (olds[j] keeps the overwritten pattern). gaps, vals and olds hold limit + 1.
+    (>= 0: a changed element has a nonzero difference). With `advance`, dst (old itself,
+    passed again so that a read-only old compiles when not advancing) becomes new there
+    (olds[j] keeps the overwritten pattern). gaps, vals and olds hold limit + 1.
 
     The chunk is compared 64 elements at a time into a bit mask whose set bits are then
     visited, so unchanged stretches cost a vector compare and no mispredicted branch.
     Indices are unsigned so that no negative-index handling is compiled in.
 
     Returns (k, largest gap); k == -1 when more than `limit` elements changed, and then
-    `old` is left exactly as it was.
+    dst is left exactly as it was.
     """
     n = np.uint64(new.size)
     bits = np.uint64(new.itemsize * 8)
@@ -82,7 +83,7 @@ def sparse_scan(new, old, limit, advance, gaps, vals, olds):
                     pos = _ZERO
                     for j in range(k):
                         pos += np.uint64(gaps[j])
-                        old[pos] = olds[j]
+                        dst[pos] = olds[j]
                         pos += _ONE
                 return -1, 0
             gap = i - nxt
@@ -94,7 +95,7 @@ def sparse_scan(new, old, limit, advance, gaps, vals, olds):
             vals[k] = zz - _ONE
             if advance:
                 olds[k] = old[i]
-                old[i] = new[i]
+                dst[i] = new[i]
             k += _ONE
     return np.int64(k), np.int64(gmax)
 

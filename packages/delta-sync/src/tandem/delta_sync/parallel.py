@@ -1,4 +1,4 @@
-"""Bounded, ordered fan-out over a thread pool.
+"""Bounded, ordered fan-out over a thread pool, and pools kept across versions.
 
 `Executor.map` submits every task at once, which would hold every encoded chunk of a model
 in memory; here at most `window` tasks are in flight, so peak extra memory is a few chunks.
@@ -45,3 +45,24 @@ def ordered_map(
         for fut in pending:
             fut.cancel()
         wait(pending)
+
+
+class KeptPool:
+    """A thread pool started on first use and kept until `close`, so that publishing or
+    pulling a version does not pay for starting threads (a fixed cost per version that
+    matters when deltas are small)."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self.workers = workers
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import structlog
@@ -32,7 +32,7 @@ from tandem.delta_sync.manifest import (
     encode_manifest,
     manifest_key,
 )
-from tandem.delta_sync.parallel import default_workers
+from tandem.delta_sync.parallel import KeptPool, default_workers
 from tandem.delta_sync.reports import PayloadReport, PublishReport
 from tandem.delta_sync.stores.base import Store
 from tandem.delta_sync.tensors import TensorView, state_digest, view_of, views_of
@@ -95,6 +95,19 @@ class Publisher:
         self._anchor: dict[str, TensorView] | None = None
         self._anchor_manifest: Manifest | None = None
         self._resumed = False
+        self._pool = KeptPool(self.workers, "delta-sync-encode")
+        self._io = KeptPool(upload_workers, "delta-sync-upload")
+
+    def close(self) -> None:
+        """Stop the worker threads (started again if the publisher is used afterwards)."""
+        self._pool.close()
+        self._io.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def version(self) -> int | None:
@@ -110,6 +123,12 @@ class Publisher:
         from tandem.delta_sync.subscriber import Subscriber
 
         sub = Subscriber(self.store, workers=self.workers)
+        try:
+            self._rebuild(sub, latest)
+        finally:
+            sub.close()
+
+    def _rebuild(self, sub: Any, latest: Latest) -> None:
         log.info("delta_sync.publisher_resume", version=latest.version)
         m = sub.manifest(latest.version)
         self._prev = {n: view_of(n, a) for n, a in sub.materialize(latest.version).items()}
@@ -162,28 +181,25 @@ class Publisher:
         reports: list[PayloadReport] = []
         digests: dict[str, str] = {}
         try:
-            with (
-                ThreadPoolExecutor(self.workers) as pool,
-                ThreadPoolExecutor(self.upload_workers) as io,
-            ):
-                for i, (base_version, base_views) in enumerate(plan):
-                    # the step delta turns the publisher's own copy of the previous version
-                    # into this one in place (no full copy of the model per step)
-                    advance = base_views is not None and base_views is self._prev
-                    payload, report, stats_digests = self._publish_payload(
-                        version,
-                        views,
-                        base_version,
-                        base_views,
-                        pool,
-                        io,
-                        hash_new=i == 0,
-                        advance_base=advance,
-                    )
-                    if i == 0:
-                        digests = stats_digests
-                    payloads.append(payload)
-                    reports.append(report)
+            pool, io = self._pool.get(), self._io.get()  # kept: no thread start per version
+            for i, (base_version, base_views) in enumerate(plan):
+                # the step delta turns the publisher's own copy of the previous version
+                # into this one in place (no full copy of the model per step)
+                advance = base_views is not None and base_views is self._prev
+                payload, report, stats_digests = self._publish_payload(
+                    version,
+                    views,
+                    base_version,
+                    base_views,
+                    pool,
+                    io,
+                    hash_new=i == 0,
+                    advance_base=advance,
+                )
+                if i == 0:
+                    digests = stats_digests
+                payloads.append(payload)
+                reports.append(report)
         except BaseException:
             if self._prev is not None:  # partly advanced: rebuild it from the store next time
                 self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
@@ -294,6 +310,7 @@ class Publisher:
         finally:
             for _, fut in in_flight:
                 fut.cancel()
+            wait([fut for _, fut in in_flight])  # no upload outlives a failed publish
         kind = "full" if base_version is None else "delta"
         base_digest = None
         if base_version is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from tandem.delta_sync.container import shard_digest
 from tandem.delta_sync.dtypes import numpy_dtype
 from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundError, StoreError
 from tandem.delta_sync.manifest import Manifest, decode_manifest, manifest_key
-from tandem.delta_sync.parallel import default_workers, ordered_map
+from tandem.delta_sync.parallel import KeptPool, default_workers, ordered_map
 from tandem.delta_sync.patch import StagedPatch, apply_patch, check_targets, stage
 from tandem.delta_sync.publisher import read_latest
 from tandem.delta_sync.reports import PullReport
@@ -80,15 +79,14 @@ class Prepared:
         views = views_of({n: state[n] for n in targets if n in state}, writable=True)
         check_targets(views, targets, label)
         if self.patch is not None:
-            with ThreadPoolExecutor(sub.workers) as pool:
-                apply_patch(
-                    self.patch,
-                    views,
-                    targets,
-                    chunk_bytes=self.manifest.chunk_bytes,
-                    pool=pool,
-                    label=f"{label} (from {self.from_version})",
-                )
+            apply_patch(
+                self.patch,
+                views,
+                targets,
+                chunk_bytes=self.manifest.chunk_bytes,
+                pool=sub._pool.get(),
+                label=f"{label} (from {self.from_version})",
+            )
         sub.version = self.version
         sub.clear_cache()
         report = PullReport(
@@ -140,6 +138,19 @@ class Subscriber:
         self.progress = progress
         self._manifests: dict[int, Manifest] = {}
         self._shards: dict[str, bytes] = {}  # verified shards kept for a retried prepare
+        self._pool = KeptPool(self.workers, "delta-sync-decode")
+        self._io = KeptPool(download_workers, "delta-sync-download")
+
+    def close(self) -> None:
+        """Stop the worker threads (started again if the subscriber is used afterwards)."""
+        self._pool.close()
+        self._io.close()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def latest(self) -> int | None:
         latest = read_latest(self.store)
@@ -250,26 +261,27 @@ class Subscriber:
             (base is None, []) for _, base in path
         ]
         downloaded = cached = 0
-        with ThreadPoolExecutor(self.download_workers) as io:
-            fetched = ordered_map(
-                io, lambda j: self._fetch(j[1], j[2], j[3]), jobs, 2 * self.download_workers
-            )
-            for (layer, _, _, where), (data, hit) in zip(jobs, fetched, strict=True):
-                layers[layer][1].append((data, where))
-                if hit:
-                    cached += len(data)
-                else:
-                    downloaded += len(data)
-                if self.progress is not None:
-                    self.progress("download", len(data))
-        with ThreadPoolExecutor(self.workers) as pool:
-            patch = stage(
-                layers,
-                m.tensors(),
-                chunk_bytes=m.chunk_bytes,
-                pool=pool,
-                label=f"version {target}",
-            )
+        fetched = ordered_map(
+            self._io.get(),
+            lambda j: self._fetch(j[1], j[2], j[3]),
+            jobs,
+            2 * self.download_workers,
+        )
+        for (layer, _, _, where), (data, hit) in zip(jobs, fetched, strict=True):
+            layers[layer][1].append((data, where))
+            if hit:
+                cached += len(data)
+            else:
+                downloaded += len(data)
+            if self.progress is not None:
+                self.progress("download", len(data))
+        patch = stage(
+            layers,
+            m.tensors(),
+            chunk_bytes=m.chunk_bytes,
+            pool=self._pool.get(),
+            label=f"version {target}",
+        )
         return Prepared(
             self, m, self.version, path, patch, downloaded, cached, time.perf_counter() - t0
         )
@@ -289,5 +301,8 @@ class Subscriber:
             self.store, workers=self.workers, download_workers=self.download_workers
         )
         helper._manifests = self._manifests
-        helper.prepare(target).apply(arrays)
+        try:
+            helper.prepare(target).apply(arrays)
+        finally:
+            helper.close()
         return arrays

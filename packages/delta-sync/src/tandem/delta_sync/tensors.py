@@ -14,7 +14,6 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from tandem.delta_sync import kernels
 from tandem.delta_sync.dtypes import UINT_BY_WIDTH, dtype_name_of_numpy, numpy_dtype
 from tandem.delta_sync.errors import DeltaSyncError
 
@@ -92,6 +91,8 @@ class HostTensor:
             self.flat[start : start + int(idx[-1]) + 1][idx] = values
 
     def add_at(self, start: int, idx: np.ndarray, diff: np.ndarray) -> None:
+        from tandem.delta_sync import kernels  # numba: imported on first use
+
         if idx.size:
             stop = start + int(idx[-1]) + 1  # idx ascending: its last is the largest
             if stop > self.numel or idx.size != diff.size:
