@@ -161,23 +161,29 @@ def publish_pull_seconds(
     """Publish then pull, delta vs full snapshot, through fresh stores of one kind.
 
     Returns (delta wall s, full wall s, delta CPU s, full CPU s). The delta side starts
-    with version 0 published and pulled; the full side publishes into an empty store and
-    pulls into empty arrays.
+    with version 0 published and pulled by a running publisher and subscriber (what a
+    trainer and an engine following the stream are); the full side publishes into an
+    empty store and pulls into empty arrays.
     """
     store = make_store("delta")
     pub = Publisher(store, anchor_every=1 << 30, workers=workers, catchup=False)
     pub.publish(0, base)
-    engine = {k: v.copy() for k, v in base.items()}
-    sub = Subscriber(store, workers=workers, version=0)
+    engine = {k: np.empty_like(v) for k, v in base.items()}
+    sub = Subscriber(store, workers=workers)
+    sub.pull(engine)  # a running engine: it follows the stream, so it is at version 0
     w, c = time.perf_counter(), time.process_time()
     pub.publish(1, new)
     sub.pull(engine)
     delta = (time.perf_counter() - w, time.process_time() - c)
+    pub.close()
+    sub.close()
     full_store = make_store("full")
     fresh = {k: np.empty_like(v) for k, v in new.items()}
     w, c = time.perf_counter(), time.process_time()
-    Publisher(full_store, workers=workers).publish(1, new)
-    Subscriber(full_store, workers=workers).pull(fresh)
+    with Publisher(full_store, workers=workers) as full_pub:
+        full_pub.publish(1, new)
+    with Subscriber(full_store, workers=workers) as full_sub:
+        full_sub.pull(fresh)
     full = (time.perf_counter() - w, time.process_time() - c)
     assert all(np.array_equal(_bits(engine[k]), _bits(new[k])) for k in new)
     assert all(np.array_equal(_bits(fresh[k]), _bits(new[k])) for k in new)
