@@ -169,17 +169,19 @@ PARTIAL = [call("bash", command="rm helpers.py")]
 
 
 @pytest.mark.parametrize("calls", [FIX, PARTIAL, []], ids=["fixed", "partial", "untouched"])
-def test_warm_verdicts_match_the_one_shot_sandbox(config: EnvConfig, calls: list) -> None:
+def test_forked_verdicts_match_the_one_shot_sandbox(config: EnvConfig, calls: list) -> None:
     one_shot = msgspec.structs.replace(
         config, sandbox=msgspec.structs.replace(config.sandbox, fork_server=False)
     )
 
     async def main() -> tuple:
-        return await submit(SUM_TASK, config, calls), await submit(SUM_TASK, one_shot, calls)
+        warm = await submit(SUM_TASK, config, calls)
+        server = Runtime.shared(config.sandbox).forkserver
+        assert server is not None and server.alive()
+        assert Runtime.shared(one_shot.sandbox).forkserver is None
+        return warm, await submit(SUM_TASK, one_shot, calls)
 
     warm, cold = asyncio.run(main())
-    assert Runtime.shared(config.sandbox).forkserver is not None
-    assert Runtime.shared(one_shot.sandbox).forkserver is None
     assert warm.info["tests"] == cold.info["tests"]
     assert warm.reward == cold.reward and warm.info["infra_fault"] is cold.info["infra_fault"]
     expected = {"fixed": 1.0, "partial": 0.0, "untouched": 0.0}
@@ -248,7 +250,9 @@ def test_episodes_are_forked_sandboxes_isolated_from_each_other(config: EnvConfi
         command=(
             "id -u; grep -E '^Cap(Eff|Bnd)' /proc/self/status; ls /proc | grep -c '^[0-9]'; "
             "echo layers=$(ls -A /.layers 2>/dev/null | wc -l); unshare -U true 2>&1 | tail -1; "
-            "echo $RANDOM > /tmp/mine; ls /tmp; ip -o link 2>/dev/null | wc -l"
+            "echo $RANDOM > /tmp/mine; ls /tmp; "
+            "python3 -c 'import os, pty, time; m, s = pty.openpty(); print(os.ttyname(s)); "
+            "time.sleep(0.3)'"
         ),
     )
 
@@ -276,6 +280,7 @@ def test_episodes_are_forked_sandboxes_isolated_from_each_other(config: EnvConfi
         assert lines[4] == "layers=0", out  # the host's layers are detached
         assert "Operation not permitted" in lines[5] or "No space left" in lines[5], out
         assert lines[6] == "mine", out  # a /tmp of its own
+        assert lines[7] == "/dev/pts/0", out  # ptys of its own, even while others hold one
         assert f"only-{i}.txt" in out and not any(
             f"only-{j}.txt" in out for j in range(6) if j != i
         )

@@ -64,28 +64,23 @@ class ForkServer:
         self.ctl: socket.socket | None = None
         self.starts = 0
         self.failures = 0  # consecutive failed starts; past _MAX_FAILURES it is not used
-        self._lock = asyncio.Lock()
-        self._lock_loop: asyncio.AbstractEventLoop | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started proc
+        self._lock = asyncio.Lock()  # one per event loop: the runtime keeps a server per loop
+        self._root: str | None = None
 
     def layer_path(self, path: Path | str) -> str | None:
         """A host layer's path as the fork server sees it, or None if it cannot see it."""
-        rel = os.path.relpath(os.path.realpath(path), os.path.realpath(self.runtime.root))
-        if rel == "." or rel.startswith(("..", "/")):
+        if self._root is None:
+            self._root = os.path.realpath(self.runtime.root) + os.sep
+        text = str(path)
+        if not text.startswith(self._root):  # not built by the runtime: resolve it
+            text = os.path.realpath(text)
+        if not text.startswith(self._root) or "/.." in text or "/./" in text:
             return None
-        return rel
-
-    def _locked(self) -> asyncio.Lock:
-        loop = asyncio.get_running_loop()
-        if self._lock_loop is not loop:  # a new asyncio.run(): locks belong to one loop
-            self._lock, self._lock_loop = asyncio.Lock(), loop
-        return self._lock
+        return text[len(self._root) :]
 
     async def _ensure(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.proc is not None and self._loop is not loop:
-            self.abandon()  # started by an earlier event loop (asyncio.run again)
-        elif self.proc is not None and self.proc.has_exited():
+        if self.proc is not None and self.proc.has_exited():
             await self._stop()
         if self.proc is not None:
             return
@@ -114,7 +109,6 @@ class ForkServer:
             theirs.close()
             mine.setblocking(False)
             self.ctl = mine
-            self._loop = loop
             hello = await asyncio.wait_for(loop.sock_recv(mine, 64), _START_TIMEOUT_S)
             if hello != b"ready":
                 raise ForkServerError(f"unexpected greeting {hello!r}")
@@ -143,7 +137,8 @@ class ForkServer:
         self.cgroup = None
 
     def abandon(self) -> None:
-        """Stop the server without an event loop (the one that started it may be closed)."""
+        """Stop the server and every job it started, without an event loop (the one that
+        started it may be closed)."""
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None
@@ -165,7 +160,7 @@ class ForkServer:
         mine.setblocking(False)
         try:
             # one sender at a time: a full queue is waited for with one writer callback
-            async with self._locked():
+            async with self._lock:
                 await self._ensure()
                 assert self.ctl is not None
                 try:
@@ -183,9 +178,8 @@ class ForkServer:
                 rest = await _read_all(mine, 5.0)
                 text = (first + rest).decode("utf-8", "replace")
                 raise ForkServerError(f"the job did not start: {text}")
-            try:
-                for f in cgroup.procs_files:
-                    Path(f).write_text(str(pid))
+            try:  # (a thread: joining a cgroup waits for the kernel, not for the CPU)
+                await asyncio.to_thread(_join_cgroup, cgroup, pid)
             except OSError as e:
                 msg = f"could not move job {pid} into its cgroup: {e}"
                 raise ForkServerError(msg) from e
@@ -229,6 +223,11 @@ class ForkServer:
             return out
         finally:
             await asyncio.to_thread(cgroup.remove)
+
+
+def _join_cgroup(cgroup: EpisodeCgroup, pid: int) -> None:
+    for f in cgroup.procs_files:
+        Path(f).write_text(str(pid))
 
 
 async def _send_job(ctl: socket.socket, data: bytes, fd: int) -> None:

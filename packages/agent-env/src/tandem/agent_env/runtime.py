@@ -8,6 +8,7 @@ instead of a copy.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import hashlib
@@ -70,7 +71,8 @@ class Runtime:
         self._episodes = 0
         self.cgroups: CgroupManager | None = None
         self.mounts: MountHelper | None = None
-        self.forkserver: ForkServer | None = None
+        self._forkservers: dict[asyncio.AbstractEventLoop, ForkServer] = {}
+        self._servers_lock = threading.Lock()
         self.bwrap = ""
         try:
             if sandboxed:
@@ -88,9 +90,24 @@ class Runtime:
             if self.mounts is not None
             else []
         )
-        if sandboxed and config.fork_server:
-            self.forkserver = ForkServer(self)
         atexit.register(self.close)
+
+    @property
+    def forkserver(self) -> ForkServer | None:
+        """The fork server of the running event loop (one per loop: its pipes and child
+        watch belong to it), or None when this runtime starts a bwrap sandbox per job.
+        Servers of loops that have been closed are stopped here."""
+        if not (self.sandboxed and self.config.fork_server) or self.root is None:
+            return None
+        loop = asyncio.get_running_loop()
+        with self._servers_lock:
+            stale = [self._forkservers.pop(lp) for lp in list(self._forkservers) if lp.is_closed()]
+            server = self._forkservers.get(loop)
+            if server is None:
+                server = self._forkservers[loop] = ForkServer(self)
+        for old in stale:
+            old.abandon()
+        return server
 
     @classmethod
     def shared(cls, config: SandboxConfig, sandboxed: bool = True) -> Runtime:
@@ -165,9 +182,10 @@ class Runtime:
         return d
 
     def close(self) -> None:
-        if self.forkserver is not None:
-            self.forkserver.abandon()
-            self.forkserver = None
+        with self._servers_lock:
+            servers, self._forkservers = list(self._forkservers.values()), {}
+        for server in servers:
+            server.abandon()
         if self.mounts is not None:
             self.mounts.close()
             self.mounts = None

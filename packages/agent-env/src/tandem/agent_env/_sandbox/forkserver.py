@@ -109,6 +109,9 @@ def _setup_mounts(job):
     tmp = f"size={int(job['tmp'])},mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, tmp)
     _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, tmp)
+    if os.path.isdir("/dev/pts"):  # ptys of its own (/dev/ptmx links to pts/ptmx)
+        pts = "newinstance,ptmxmode=0666,mode=620"
+        _mount("devpts", "/dev/pts", "devpts", _MS_NOSUID | _MS_NOEXEC, pts)
     _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
 
 
