@@ -3,7 +3,8 @@
 Prints: median latency of one command through the sandboxed `bash` tool versus a bare
 subprocess (a builtin, then an external program, also against a bare persistent bash); tool commands per second with 1, 16, 64 and 256 concurrent episodes; and full
 episode lifecycles per second (reset, 10 tool calls, then close, or submit + grading with the
-hidden tests) on generated tasks. Targets (2-core machine): >= 400 commands/s at 256
+hidden tests) on generated tasks, with the fork server (the default) and with a bwrap sandbox
+started per episode and per grading. Targets (2-core machine): >= 400 commands/s at 256
 episodes, >= 50 lifecycles/s without grading and >= 20 with it, sandbox overhead <= 5 ms.
 
     uv run python benchmarks/agent_env.py [--quick]
@@ -20,6 +21,8 @@ import resource
 import statistics
 import time
 from pathlib import Path
+
+import msgspec
 
 from tandem.agent_env import Env, EnvConfig, ToolCall, generate_tasks
 
@@ -286,28 +289,43 @@ async def _main(quick: bool, tree: TreeCPU) -> None:
     print(f"{'all-process CPU ms per command':<44}" + "".join(f"{c:>10}" for c in tcpu))
     print()
     n = 64 if quick else 256
-    c0, t0 = cpu_s(), tree()
-    no_grade, _ = await lifecycles_per_s(tasks, config, n, 64, grade=False)
-    c1, t1 = cpu_s(), tree()
-    with_grade, graded = await lifecycles_per_s(tasks, config, n, 64, grade=True)
-    c2, t2 = cpu_s(), tree()
+    rows = []
+    # the default (episodes and gradings forked from one warm sandbox) and, for comparison in
+    # the same run, a bwrap sandbox (and interpreter) started per episode and per grading
+    bwrap_each = msgspec.structs.replace(
+        config, sandbox=msgspec.structs.replace(config.sandbox, fork_server=False)
+    )
+    for label, cfg in (("fork server", config), ("bwrap per sandbox", bwrap_each)):
+        c0, t0 = cpu_s(), tree()
+        no_grade, _ = await lifecycles_per_s(tasks, cfg, n, 64, grade=False)
+        c1, t1 = cpu_s(), tree()
+        with_grade, graded = await lifecycles_per_s(tasks, cfg, n, 64, grade=True)
+        c2, t2 = cpu_s(), tree()
+        rows.append((label, no_grade, with_grade, c0, c1, c2, t0, t1, t2, graded))
     print(f"{'episode lifecycles/s (64 at a time)':<44}{'no grading':>16}{'with grading':>16}")
-    print(
-        f"{'reset + 10 tool calls (+ submit, hidden tests)':<44}"
-        f"{no_grade:>16.1f}{with_grade:>16.1f}   targets >= 50 / >= 20"
-    )
-    print(
-        f"{'host-process CPU ms per lifecycle':<44}"
-        f"{(c1 - c0) / n * 1e3:>16.1f}{(c2 - c1) / n * 1e3:>16.1f}"
-    )
-    print(f"{'all-process CPU ms per lifecycle':<44}{_ms(t0, t1, n):>16}{_ms(t1, t2, n):>16}")
-    print(f"({n} episodes each; {graded} graded; load average now {os.getloadavg()[0]:.1f})")
-    if t0 is not None:
+    for label, no_grade, with_grade, c0, c1, c2, t0, t1, t2, graded in rows:
+        print(f"{label}: {graded} of {n} graded")
+        print(
+            f"{'  reset + 10 tool calls (+ submit, hidden tests)':<44}"
+            f"{no_grade:>16.1f}{with_grade:>16.1f}   targets >= 50 / >= 20"
+        )
+        print(
+            f"{'  host-process CPU ms per lifecycle':<44}"
+            f"{(c1 - c0) / n * 1e3:>16.1f}{(c2 - c1) / n * 1e3:>16.1f}"
+        )
+        print(f"{'  all-process CPU ms per lifecycle':<44}{_ms(t0, t1, n):>16}{_ms(t1, t2, n):>16}")
+        if t0 is not None:
+            print(
+                f"{'  CPU-bound capacity of ' + str(os.cpu_count()) + ' idle cores':<44}"
+                f"{os.cpu_count() / (t1 - t0) * n:>16.0f}{os.cpu_count() / (t2 - t1) * n:>16.0f}"
+                "   (cores / all-process CPU per lifecycle)"
+            )
+    print(f"({n} episodes per cell; load average now {os.getloadavg()[0]:.1f})")
+    if tree() is not None:
         cmd = float(tcpu[-1])
         print(
-            f"CPU-bound capacity of {os.cpu_count()} idle cores (cores / all-process CPU per op): "
-            f"{os.cpu_count() / cmd * 1e3:.0f} commands/s at 256 episodes, "
-            f"{os.cpu_count() / (t1 - t0) * n:.0f} / {os.cpu_count() / (t2 - t1) * n:.0f} lifecycles/s"
+            f"CPU-bound capacity of {os.cpu_count()} idle cores: "
+            f"{os.cpu_count() / cmd * 1e3:.0f} commands/s at 256 episodes"
         )
 
 
