@@ -118,18 +118,22 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def bmm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The CPU kernel of `bmm` (no autograd graph)."""
-    g, m, _ = a.shape
+    g, m, k = a.shape
     n = b.shape[-1]
     r = row_block(a.dtype)
     blocks = -(-m // r) if m else 0
-    # Each block is written to its own contiguous slab, so every GEMM sees the same strides.
+    padded = F.pad(a, (0, 0, 0, blocks * r - m)) if blocks * r != m else a
+    padded = padded.reshape(g, blocks, r, k)
+    # Same fixed-shape [r, K] @ [K, N] products either way; fewer, larger calls are faster.
+    # Each slab is written contiguously, so every GEMM sees the same strides.
+    if g <= blocks:
+        out = torch.empty(g, blocks, r, n, dtype=a.dtype, device=a.device)
+        for i in range(g):
+            torch.bmm(padded[i], b[i].expand(blocks, k, n), out=out[i])
+        return out.view(g, blocks * r, n)[:, :m]
     out = torch.empty(blocks, g, r, n, dtype=a.dtype, device=a.device)
     for i in range(blocks):
-        lo, hi = i * r, min(m, (i + 1) * r)
-        chunk = a[:, lo:hi]
-        if hi - lo < r:
-            chunk = F.pad(chunk, (0, 0, 0, r - (hi - lo)))
-        torch.bmm(chunk, b, out=out[i])
+        torch.bmm(padded[:, i], b, out=out[i])
     return out.permute(1, 0, 2, 3).reshape(g, blocks * r, n)[:, :m]
 
 
@@ -146,19 +150,28 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel of `mm` (no autograd graph)."""
-    m, _ = a.shape
+    """The CPU kernel of `mm` (no autograd graph).
+
+    In fp32/fp64 all row blocks go to one `torch.bmm` against the weight broadcast along the
+    batch (a stride-0 view, never copied): per block the very same [r, K] @ [K, N] product as
+    one `torch.mm` per block, bit for bit, without a Python loop and a thread-pool round per
+    block. Half types keep one `torch.mm` per block (their bmm takes another kernel path).
+    """
+    m, k = a.shape
     n = b.shape[1]
     r = row_block(a.dtype)
     blocks = -(-m // r) if m else 0
-    out = torch.empty(blocks * r, n, dtype=a.dtype, device=a.device)
-    for i in range(blocks):
-        lo, hi = i * r, min(m, (i + 1) * r)
-        chunk = a[lo:hi]
-        if hi - lo < r:
-            chunk = F.pad(chunk, (0, 0, 0, r - (hi - lo)))
-        torch.mm(chunk, b, out=out[i * r : (i + 1) * r])
-    return out[:m]
+    out = torch.empty(blocks, r, n, dtype=a.dtype, device=a.device)
+    if not blocks:
+        return out.view(0, n)
+    padded = F.pad(a, (0, 0, 0, blocks * r - m)) if blocks * r != m else a
+    padded = padded.reshape(blocks, r, k)
+    if a.dtype in (torch.float32, torch.float64):
+        torch.bmm(padded, b.expand(blocks, k, n), out=out)
+    else:
+        for i in range(blocks):
+            torch.mm(padded[i], b, out=out[i])
+    return out.view(blocks * r, n)[:m]
 
 
 def addmm(
