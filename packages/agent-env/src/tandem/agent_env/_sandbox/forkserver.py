@@ -16,7 +16,8 @@ builds a sandbox of its own before any untrusted code runs:
 - it enters a user namespace of its own as uid 1000 with no capabilities, no way back to them
   and no further user namespaces, and closes every descriptor but the job's socket.
 
-Pid 1 of a job's namespaces is its init; when it exits the kernel kills everything left
+The server forks each job straight into fresh namespaces (it unshares them, forks, and
+returns to its own). Pid 1 of a job's namespaces is its init; when it exits the kernel kills everything left
 there, so nothing a job started survives it. A ``session`` job runs the episode supervisor as
 pid 2 on the socket (like bwrap's init and the supervisor); a ``grade`` job runs the hidden
 tests in pid 1 itself.
@@ -257,30 +258,47 @@ def _job_init(job, sock):
         _run_grade(job, sock)
 
 
+_FRESH = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+_OWN_NS = []  # (fd, flag) of the server's own namespaces, to return to after each fork
+
+
+def _fork_job():
+    """Fork a child that is pid 1 of fresh mount, pid, network, IPC and UTS namespaces (one
+    fork per job, no intermediate process), then return to the server's own namespaces."""
+    if not _OWN_NS:
+        for name, flag in (
+            ("mnt", _CLONE_NEWNS),
+            ("pid", _CLONE_NEWPID),
+            ("net", _CLONE_NEWNET),
+            ("ipc", _CLONE_NEWIPC),
+            ("uts", _CLONE_NEWUTS),
+        ):
+            _OWN_NS.append((os.open(f"/proc/self/ns/{name}", os.O_RDONLY), flag))
+    _check(_LIBC.unshare(_FRESH), "unshare")
+    pid = -1
+    try:
+        pid = os.fork()
+    finally:
+        if pid != 0:
+            for fd, flag in _OWN_NS:
+                if _LIBC.setns(fd, flag) != 0:
+                    os._exit(75)  # stuck in a job's namespaces: the host starts a new server
+    return pid
+
+
 def _job(job, sock):
-    """The forked child: report to the host, wait to be placed in the job's cgroup, then
-    enter fresh namespaces (its child is pid 1 there) and wait for it."""
+    """The forked child, pid 1 of its namespaces: report to the host, wait to be placed in
+    the job's cgroup, then build its sandbox and run the job."""
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.sendall(b"r")  # the host reads our pid from the socket's credentials
         if sock.recv(1) != b"g":
             os._exit(72)
-        _check(
-            _LIBC.unshare(
-                _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
-            ),
-            "unshare",
-        )
-        pid = os.fork()
-        if pid == 0:
-            _job_init(job, sock)
-        sock.close()
-        _, status = os.waitpid(pid, 0)
-        os._exit(min(255, max(0, os.waitstatus_to_exitcode(status))))
     except BaseException as e:
         _fatal(sock, f"job failed to start: {type(e).__name__}: {e}")
         os._exit(73)
+    _job_init(job, sock)
 
 
 def main():
@@ -304,7 +322,7 @@ def main():
         sock = socket.socket(fileno=fds[0])
         try:
             job = loads(msg.decode("utf-8"))
-            pid = os.fork()
+            pid = _fork_job()
         except Exception as e:
             _fatal(sock, f"job was not started: {type(e).__name__}: {e}")
             sock.close()
