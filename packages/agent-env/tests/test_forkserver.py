@@ -284,3 +284,31 @@ def test_episodes_are_forked_sandboxes_isolated_from_each_other(config: EnvConfi
         assert f"only-{i}.txt" in out and not any(
             f"only-{j}.txt" in out for j in range(6) if j != i
         )
+
+
+def test_episodes_survive_a_fork_server_that_dies(config: EnvConfig) -> None:
+    async def main() -> list[str]:
+        env = Env(SUM_TASK, config)
+        await env.reset()
+        try:
+            out = [
+                (await env.step(call("write_file", path="kept.txt", content="kept"))).observation
+            ]
+            server = Runtime.shared(config.sandbox).forkserver
+            assert server is not None and server.proc is not None
+            os.kill(server.proc.pid, signal.SIGKILL)  # takes every sandbox it forked with it
+            await asyncio.sleep(0.2)
+            for c in (call("bash", command="echo hi"), call("bash", command="cat kept.txt")):
+                out.append((await env.step(c)).observation)
+            assert env._session is not None and env._session.forked  # from a new server
+            res = await env.step(ToolCall("submit"))
+            out.append(res)
+            return out
+        finally:
+            await env.close()
+
+    wrote, lost, kept, res = asyncio.run(main())
+    assert "wrote" in wrote.content
+    assert lost.is_error and "a new one was started" in lost.content
+    assert "kept" in kept.content and not kept.is_error
+    assert res.reward == 0.0 and res.info["infra_fault"] is False  # graded, not lost
