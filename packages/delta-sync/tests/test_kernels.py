@@ -154,3 +154,20 @@ def test_read_only_states_encode_and_the_base_is_never_written() -> None:
     target = {"w": base.copy()}
     apply_delta(target, blob)
     assert target["w"].tobytes() == new.tobytes()
+
+
+def test_base_digests_hashed_during_the_scan_equal_a_separate_pass() -> None:
+    from tandem.delta_sync.delta import _unpack
+    from tandem.delta_sync.tensors import chunk_elems_for, tensor_digest, views_of
+
+    rng = np.random.default_rng(2)
+    base = {
+        "a": rng.integers(0, 2**16, (300, 70), dtype=np.uint16).view(ml_dtypes.bfloat16),
+        "b": rng.standard_normal(5000).astype(np.float32),
+    }
+    new = {k: v.copy() for k, v in base.items()}
+    new["a"].view(np.uint16)[0, :7] += np.uint16(1)
+    meta, _ = _unpack(encode_delta(base, new, chunk_bytes=1 << 12))
+    views = views_of(base)
+    expected = {n: tensor_digest(v, chunk_elems_for(v.itemsize, 1 << 12)) for n, v in views.items()}
+    assert {t.name: t.digest for t in meta.base} == expected

@@ -171,3 +171,26 @@ def test_engine_state_with_extra_buffers_is_fine(local_store, trainer, same_bits
     Subscriber(local_store).pull(engine)
     same_bits({k: engine[k] for k in v0}, v0)
     assert np.all(engine["rope.cache"] == 1)
+
+
+def test_worker_threads_are_kept_across_versions_and_stop_on_close(
+    local_store, trainer, same_bits
+) -> None:
+    import threading
+
+    def ours() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("delta-sync-")}
+
+    before = ours()
+    engine = _zeros_like(trainer.snapshot())
+    with Publisher(local_store, **SMALL) as pub, Subscriber(local_store) as sub:
+        pub.publish(0, trainer.step())
+        sub.pull(engine)
+        started = ours() - before
+        assert started  # the pools are running
+        state = trainer.step()
+        pub.publish(1, state)
+        sub.pull(engine)
+        assert started <= ours()  # still running: the next version did not start them anew
+        same_bits(engine, state)
+    assert ours() - before == set()

@@ -24,7 +24,7 @@ from tandem.delta_sync.errors import DeltaSyncError, IntegrityError
 from tandem.delta_sync.manifest import TensorInfo
 from tandem.delta_sync.parallel import default_workers
 from tandem.delta_sync.patch import apply_patch, check_targets, stage
-from tandem.delta_sync.tensors import chunk_elems_for, tensor_digest, views_of
+from tandem.delta_sync.tensors import views_of
 
 BLOB_MAGIC = b"TDSB"
 _PREFIX = struct.Struct("<4sI")
@@ -69,19 +69,6 @@ def _encode(
     base_v = views_of(base) if base is not None else None
     shards: list[bytes] = []
     with ThreadPoolExecutor(workers or default_workers()) as pool:
-        base_info = None
-        if base_v is not None:
-            digests = dict(
-                zip(
-                    base_v,
-                    pool.map(
-                        lambda v: tensor_digest(v, chunk_elems_for(v.itemsize, chunk_bytes)),
-                        base_v.values(),
-                    ),
-                    strict=True,
-                )
-            )
-            base_info = tensor_infos(base_v, digests)
         stats = encode_state(
             new_v,
             base_v,
@@ -90,7 +77,9 @@ def _encode(
             pool=pool,
             shard_bytes=1 << 62,
             on_shard=shards.append,
+            hash_base=True,
         )
+    base_info = None if base_v is None else tensor_infos(base_v, stats.base_digests)
     if not shards:  # nothing changed at all: an empty shard keeps the format uniform
         from tandem.delta_sync.container import ShardBuilder
 

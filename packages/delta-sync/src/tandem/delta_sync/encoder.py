@@ -30,6 +30,7 @@ class EncodeStats:
     dense_bytes: int = 0
     chunks: dict[str, int] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
+    base_digests: dict[str, str] = field(default_factory=dict)
 
 
 def check_same_layout(new: Mapping[str, TensorView], base: Mapping[str, TensorView]) -> None:
@@ -62,6 +63,7 @@ def encode_state(
     shard_bytes: int,
     on_shard: Callable[[bytes], None],
     hash_new: bool = True,
+    hash_base: bool = False,
     advance_base: bool = False,
     on_chunk: Callable[[int], None] | None = None,
 ) -> EncodeStats:
@@ -69,34 +71,44 @@ def encode_state(
 
     With `advance_base`, `base` (which the caller must own) is turned into `new` chunk by
     chunk as it is encoded; if encoding fails midway it holds a mix and must be discarded.
+    With `hash_base`, the base's tensor digests are computed too, each chunk just before
+    it is compared (so it is read from memory once for both).
     """
+    if hash_base and advance_base:
+        raise ValueError("hash_base needs the base as it was: not with advance_base")
     if base is not None:
         check_same_layout(new, base)
     stats = EncodeStats()
     chunk_hashes: dict[str, list[bytes]] = {}
+    base_hashes: dict[str, list[bytes]] = {}
     tasks: list[tuple[str, int, int]] = []
     for name, view in new.items():
         ce = chunk_elems_for(view.itemsize, chunk_bytes)
         chunk_hashes[name] = [b""] * n_chunks(view.numel, ce)
+        base_hashes[name] = [b""] * len(chunk_hashes[name])
         tasks.extend((name, c, ce) for c in range(len(chunk_hashes[name])))
         stats.dense_bytes += view.numel * view.itemsize
 
-    def work(task: tuple[str, int, int]) -> tuple[str, int, EncodedChunk | None, int, bytes]:
+    def work(task: tuple[str, int, int]) -> tuple[str, int, EncodedChunk | None, int, bytes, bytes]:
         name, c, ce = task
         view = new[name]
+        base_digest = b""
+        if hash_base and base is not None:
+            base_digest = chunk_digest(base[name].read(c * ce, min((c + 1) * ce, view.numel)))
         enc, changed = encode_chunk(
             view, None if base is None else base[name], c, ce, level, advance_base=advance_base
         )
         digest = b""
         if hash_new:
             digest = chunk_digest(view.read(c * ce, min((c + 1) * ce, view.numel)))
-        return name, c, enc, changed, digest
+        return name, c, enc, changed, digest, base_digest
 
     builder = ShardBuilder()
     window = 2 * (pool._max_workers or 1) + 2
     results: Iterator = ordered_map(pool, work, tasks, window)
-    for name, c, enc, changed, digest in results:
+    for name, c, enc, changed, digest, base_digest in results:
         chunk_hashes[name][c] = digest
+        base_hashes[name][c] = base_digest
         stats.changed += changed
         if on_chunk is not None:
             ce = chunk_elems_for(new[name].itemsize, chunk_bytes)
@@ -115,5 +127,10 @@ def encode_state(
         stats.digests = {
             name: combine_digest(v.dtype, tuple(v.shape), chunk_hashes[name])
             for name, v in new.items()
+        }
+    if hash_base and base is not None:
+        stats.base_digests = {
+            name: combine_digest(v.dtype, tuple(v.shape), base_hashes[name])
+            for name, v in base.items()
         }
     return stats

@@ -102,26 +102,42 @@ def sparse_scan(new, old, dst, limit, advance, gaps, vals, olds):
 
 @numba.njit(nogil=True, cache=True)
 def pack_small(v, packed, esc):
-    """codec.pack_small in one pass: min(v, 3) packed four 2-bit codes to a byte (low bits
-    first, zero padded) into `packed`, and the escapes v - 3 of v >= 3, in order, into esc.
+    """codec.pack_small in two passes: min(v, 3) packed four 2-bit codes to a byte (low bits
+    first, zero padded) into `packed`, then the escapes v - 3 of v >= 3, in order, into esc.
 
-    packed holds (v.size + 3) // 4 bytes, esc v.size + 1 values (every value is stored
-    and kept only if it is an escape, so there is no branch to mispredict). Returns
-    (escapes, largest escape).
+    packed holds (v.size + 3) // 4 bytes, esc v.size + 1 values. The first pass has no
+    data-dependent branch or store (it vectorises); the second runs only if some v >= 3,
+    and stores every value, keeping it only if it is an escape. Returns (escapes, largest).
     """
     k = np.uint64(v.size)
-    ne = _ZERO
+    nfull = k >> _TWO
     vmax = _ZERO
-    for q in range((k + _THREE) // np.uint64(4)):
+    for q in range(nfull):
+        j = np.uint64(q) << _TWO
+        x0 = np.uint64(v[j])
+        x1 = np.uint64(v[j + _ONE])
+        x2 = np.uint64(v[j + _TWO])
+        x3 = np.uint64(v[j + _THREE])
+        vmax = max(vmax, max(max(x0, x1), max(x2, x3)))
+        packed[q] = (
+            min(x0, _THREE)
+            | (min(x1, _THREE) << _TWO)
+            | (min(x2, _THREE) << np.uint64(4))
+            | (min(x3, _THREE) << np.uint64(6))
+        )
+    if k & _THREE:
         byte = _ZERO
-        for r in range(4):
-            j = np.uint64(q) * np.uint64(4) + np.uint64(r)
-            x = np.uint64(v[j]) if j < k else _ZERO
+        for r in range(k & _THREE):
+            x = np.uint64(v[(nfull << _TWO) + np.uint64(r)])
             vmax = max(vmax, x)
+            byte |= min(x, _THREE) << (np.uint64(r) << _ONE)
+        packed[nfull] = byte
+    ne = _ZERO
+    if vmax >= _THREE:
+        for j in range(k):
+            x = np.uint64(v[j])
             esc[ne] = x - _THREE
             ne += np.uint64(x >= _THREE)
-            byte |= min(x, _THREE) << np.uint64(2 * r)
-        packed[q] = byte
     return np.int64(ne), vmax - _THREE if ne else _ZERO
 
 
