@@ -51,7 +51,7 @@ class JobOutput:
     def __init__(self) -> None:
         self.messages: list[dict[str, Any]] = []
         self.timed_out = False
-        self.grader_died = False
+        self.server_died = False
 
 
 class ForkServer:
@@ -219,7 +219,7 @@ class ForkServer:
                 out.timed_out = True
             finally:
                 writer.close()
-            out.grader_died = not self.alive()
+            out.server_died = not self.alive()
             return out
         finally:
             await asyncio.to_thread(cgroup.remove)

@@ -81,13 +81,13 @@ async def grade(
                 log.warning("agent_env.forkserver_grade_failed", task=task.id, error=str(e))
             else:
                 started = any(m.get("started") for m in out.messages)
-                if started and not out.grader_died:
+                if started and not out.server_died:
                     return _verdict(task, ids, out.messages, out.timed_out, partial_credit, "", t0)
                 fatal = [str(m["fatal"]) for m in out.messages if m.get("fatal")]
                 log.warning(
                     "agent_env.forkserver_grade_fault",
                     task=task.id,
-                    server_died=out.grader_died,
+                    server_died=out.server_died,
                     error=(fatal or ["no test started"])[-1],
                 )
 
