@@ -44,7 +44,8 @@ def test_render_masks_only_assistant_bodies() -> None:
     ids, mask = FMT.render(_messages(), add_generation_prompt=True)
     assert len(ids) == len(mask)
     trained = TOK.decode([t for t, m in zip(ids, mask, strict=True) if m])
-    expected_call = '<|tool_call|>edit {"new":"x + 1","old":"x - 1","path":"a.py"}<|/tool_call|>'
+    # Arguments in the order given (path, old, new), compact separators.
+    expected_call = '<|tool_call|>edit {"path":"a.py","old":"x - 1","new":"x + 1"}<|/tool_call|>'
     assert trained == "Editing." + expected_call + "<|end|>"
     assert ids[-1] == TOK.special("<|assistant|>") and mask[-1] == 0
     text = TOK.decode(ids)

@@ -61,6 +61,26 @@ def test_trainer_step_reports_zero_mismatch_and_full_agreement(
     assert metrics["routing_agreement_replay"] == 1.0
 
 
+def test_tempered_logprobs_equal_trainer_bit_for_bit(
+    chat, tiny_policy, make_engine, helpers
+) -> None:
+    """Below temperature 1 the engine reports log-probs of the tempered distribution; the
+    trainer scores with the same temperature and gets the same bits (and a step reports 0)."""
+    engine = make_engine(tiny_policy, temperature=0.7)
+    samples = helpers.drive(engine, chat, _episodes(chat, helpers))
+    batch = collate([samples[:2], samples[2:]])
+    mask = batch.loss_mask
+    with torch.no_grad(), batch_invariant():
+        tempered, _, _ = score(tiny_policy, batch, "R3", temperature=0.7)
+        plain, _, _ = score(tiny_policy, batch, "R3")
+    rollout_bits = batch.rollout_logprobs[mask].view(torch.int32)
+    assert torch.equal(tempered[mask].view(torch.int32), rollout_bits)
+    assert not torch.equal(plain[mask], batch.rollout_logprobs[mask])  # temperature matters
+    trainer = RLTrainer(tiny_policy, TrainerConfig(lr=1e-3, routing_check_rows=2), temperature=0.7)
+    metrics = trainer.step([samples[:2], samples[2:]])
+    assert metrics["mismatch_tokens"] > 0 and metrics["mismatch_max_abs"] == 0.0
+
+
 def test_sampling_does_not_depend_on_the_batch(chat, tiny_policy, make_engine, helpers) -> None:
     episodes = _episodes(chat, helpers)
     together = helpers.drive(make_engine(tiny_policy), chat, episodes)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tandem.agent_env import generate_tasks
 from tandem.orchestrator.config import ConfigValueError, RLConfig
 from tandem.orchestrator.episode import (
     FORMAT_ERROR_TOOL,
@@ -19,7 +20,7 @@ from tandem.orchestrator.episode import (
 )
 from tandem.orchestrator.evaluate import pass_at_k
 from tandem.orchestrator.trainer import collate
-from tandem.orchestrator.transcripts import condense, render_transcript
+from tandem.orchestrator.transcripts import condense, minimal_edit, render_transcript
 
 
 def test_generated_call_becomes_agent_env_call(chat) -> None:
@@ -129,3 +130,26 @@ def test_collate_pads_and_aligns(chat) -> None:
 def test_bad_rl_config_names_the_field() -> None:
     with pytest.raises(ConfigValueError, match="group_size"):
         RLConfig(group_size=1)
+
+
+def test_minimal_edit_makes_the_same_change_with_less_to_copy() -> None:
+    tasks = generate_tasks(5, 40, functions_per_repo=1)
+    shorter = 0
+    for task in tasks:
+        (edit,) = task.reference_edits
+        text = task.files[edit.path]
+        old, new = minimal_edit(text, edit.old, edit.new)
+        assert text.count(old) == 1
+        assert text.replace(old, new) == text.replace(edit.old, edit.new)
+        assert len(old.strip()) >= min(10, len(edit.old.strip()))
+        shorter += len(old) < len(edit.old)
+    assert shorter >= len(tasks) // 2
+
+
+def test_minimal_edit_keeps_an_ambiguous_replacement_as_it_is() -> None:
+    text = "a = 1\nb = 1\n"
+    assert minimal_edit(text, "= 1", "= 2") == ("= 1", "= 2")  # occurs twice
+    assert minimal_edit(text, "a = 1", "a = 2", min_chars=3) == ("a = 1", "a = 2")
+    # Widened word by word around the change until unique and at least min_chars long.
+    text = "x = total + 1\ny = total - 1\n"
+    assert minimal_edit(text, "x = total + 1", "x = total - 1") == ("= total + 1", "= total - 1")

@@ -55,6 +55,9 @@ class ParsedTurn(msgspec.Struct, frozen=True):
 class ChatFormat:
     """Renders OpenAI-style messages to token ids and parses generated assistant turns."""
 
+    VERSION = 2
+    """Bumped whenever rendering changes, so cached renderings are rebuilt."""
+
     def __init__(self, tokenizer: ByteTokenizer | None = None) -> None:
         self.tok = tokenizer or ByteTokenizer()
         self.end_id = self.tok.special("<|end|>")
@@ -69,7 +72,9 @@ class ChatFormat:
         return [self.role_ids[role]]
 
     def render_tool_call(self, call: ToolCall) -> list[int]:
-        args = json.dumps(call.arguments, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        # Arguments keep the caller's order (the tool schema's: path, old_string, new_string),
+        # so the policy copies the line it replaces before it writes the replacement.
+        args = json.dumps(call.arguments, ensure_ascii=False, separators=(",", ":"))
         return [self.call_open, *self.tok.encode(f"{call.name} {args}"), self.call_close]
 
     def render_turn(self, message: Mapping[str, Any]) -> tuple[list[int], list[int]]:

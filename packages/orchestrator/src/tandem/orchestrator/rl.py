@@ -121,7 +121,10 @@ class RLRun:
     # -- setup -----------------------------------------------------------------------------
     def _setup(self) -> None:
         self.trainer = RLTrainer(
-            self.policy, self.trainer_cfg, deterministic=self.engine_cfg.deterministic
+            self.policy,
+            self.trainer_cfg,
+            deterministic=self.engine_cfg.deterministic,
+            temperature=self.engine_cfg.temperature,
         )
         self.step, self.cursor, self.stream = 0, 0, 0
         if self.checkpoints.latest_step() is not None:

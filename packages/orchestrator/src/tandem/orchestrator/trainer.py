@@ -84,11 +84,14 @@ def score(
     model: MoETransformer,
     batch: RolloutBatch,
     replay: str,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Log-probs [B, T] of ``batch`` (position 0 is 0) and the routes [N, layers, k] used.
 
     Only tokens 0..n-2 of a row are fed: the last token predicts nothing, and the engine
-    never fed it either (so it has no recorded route).
+    never fed it either (so it has no recorded route). Log-probs are those of the sampling
+    distribution: logits divided by the engine's ``temperature`` exactly as the engine does
+    (1 and 0 leave them as they are).
     """
     ids = batch.input_ids
     assert batch.attention_mask is not None
@@ -103,7 +106,10 @@ def score(
             own = model(inputs, fed)
         routing = RouterReplay(own.traces(), "R2")
     out = model(inputs, fed, routing=routing)
-    lp = token_logprobs(out.logits, ids[:, 1:]) if ids.shape[1] > 1 else out.logits[..., 0]
+    logits = out.logits.float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    lp = token_logprobs(logits, ids[:, 1:]) if ids.shape[1] > 1 else logits[..., 0]
     lp = F.pad(lp, (1, 0)) if ids.shape[1] > 1 else torch.zeros_like(ids, dtype=torch.float32)
     return lp, out.route_ids, out.counts
 
@@ -111,12 +117,13 @@ def score(
 class _ReplayForward:
     """The GRPO forward hook; keeps the detached log-probs it computed for the mismatch check."""
 
-    def __init__(self, replay: str) -> None:
+    def __init__(self, replay: str, temperature: float) -> None:
         self.replay = replay
+        self.temperature = temperature
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
-        lp, _, _ = score(model, micro, self.replay)  # type: ignore[arg-type]
+        lp, _, _ = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
         self.captured.append((micro.extras["row"], lp.detach()))
         return ForwardOutput(lp)
 
@@ -131,6 +138,7 @@ class RLTrainer:
         *,
         policy_version: int = 0,
         deterministic: bool = True,
+        temperature: float = 1.0,
     ) -> None:
         from accelerate import Accelerator
 
@@ -156,7 +164,8 @@ class RLTrainer:
             betas=(config.betas[0], config.betas[1]),
             weight_decay=config.weight_decay,
         )
-        self.hook = _ReplayForward(config.replay)
+        self.temperature = temperature
+        self.hook = _ReplayForward(config.replay, temperature)
         self.grpo = GRPOTrainer(
             model,
             self.optimizer,
@@ -225,8 +234,8 @@ class RLTrainer:
             order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
             sub = batch.select(order)
             with torch.no_grad():
-                lp_free, ids_free, counts = score(self.model, sub, "none")
-                _, ids_replay, _ = score(self.model, sub, "R3")
+                lp_free, ids_free, counts = score(self.model, sub, "none", self.temperature)
+                _, ids_replay, _ = score(self.model, sub, "R3", self.temperature)
             recorded = torch.cat([sub.extras["routes"][i, :n].long() for i, n in enumerate(counts)])
             free = routing_agreement(ids_free, recorded)
             replayed = routing_agreement(ids_replay, recorded)

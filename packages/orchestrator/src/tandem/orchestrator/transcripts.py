@@ -9,6 +9,7 @@ mid-training teaches the format the engine will be parsed against.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from tandem.agent_env import EnvConfig, OraclePolicy, Task, Trajectory, run_episodes
+from tandem.agent_env import EnvConfig, OraclePolicy, Task, ToolCall, Trajectory, run_episodes
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.episode import truncate_observation
 
@@ -60,8 +61,69 @@ def render_transcript(
     return chat.render(msgs)
 
 
+def minimal_edit(text: str, old: str, new: str, min_chars: int = 10) -> tuple[str, str]:
+    """The shortest (old, new) pair, on word boundaries, that makes the same change to ``text``.
+
+    The reference fix replaces whole lines; a policy that only has to copy the few characters
+    around the change (``number > 1`` -> ``number > 0``), extended until they match once in
+    the file and at least ``min_chars`` long (enough context to say *where*), learns the fix
+    from far fewer examples. Returns ``(old, new)`` unchanged when
+    ``old`` does not occur exactly once.
+    """
+    if text.count(old) != 1 or old == new:
+        return old, new
+    pre = 0
+    while pre < min(len(old), len(new)) and old[pre] == new[pre]:
+        pre += 1
+    suf = 0
+    while suf < min(len(old), len(new)) - pre and old[-1 - suf] == new[-1 - suf]:
+        suf += 1
+    lo, hi_old, hi_new = pre, len(old) - suf, len(new) - suf
+
+    def widen(lo: int, hi_old: int, hi_new: int) -> tuple[int, int, int]:
+        while lo > 0 and not old[lo - 1].isspace():
+            lo -= 1
+        while hi_old < len(old) and not old[hi_old].isspace():
+            hi_old, hi_new = hi_old + 1, hi_new + 1
+        return lo, hi_old, hi_new
+
+    lo, hi_old, hi_new = widen(lo, hi_old, hi_new)
+    while text.count(old[lo:hi_old]) != 1 or len(old[lo:hi_old].strip()) < min(
+        min_chars, len(old.strip())
+    ):
+        if lo == 0 and hi_old == len(old):
+            return old, new
+        lo, hi_old, hi_new = widen(
+            max(lo - 1, 0), min(hi_old + 1, len(old)), hi_new + (hi_old < len(old))
+        )
+    return old[lo:hi_old], new[lo:hi_new]
+
+
+class MinimalEditOracle:
+    """agent-env's oracle with each `edit` narrowed by `minimal_edit` (the same change)."""
+
+    def __init__(self, tasks: Sequence[Task]) -> None:
+        self.oracle = OraclePolicy(tasks)
+        self.files = {t.instruction: t.files for t in tasks}
+
+    async def __call__(self, messages: list[dict[str, Any]]) -> ToolCall:
+        call = await self.oracle(messages)
+        if call.name != "edit":
+            return call
+        args = json.loads(call.arguments)
+        instruction = next(m["content"] for m in messages if m.get("role") == "user")
+        text = self.files.get(instruction, {}).get(args["path"])
+        if text is None:
+            return call
+        args["old_string"], args["new_string"] = minimal_edit(
+            text, args["old_string"], args["new_string"]
+        )
+        return msgspec.structs.replace(call, arguments=json.dumps(args))
+
+
 async def _play(tasks: Sequence[Task], config: EnvConfig, concurrency: int) -> list[Trajectory]:
-    return await run_episodes(OraclePolicy(tasks), tasks, concurrency=concurrency, config=config)
+    policy = MinimalEditOracle(tasks)
+    return await run_episodes(policy, tasks, concurrency=concurrency, config=config)
 
 
 def oracle_transcripts(
@@ -85,6 +147,7 @@ def oracle_transcripts(
             "system": config.system_prompt,
             "obs": max_observation_chars,
             "skip": list(skip_tools),
+            "format": chat.VERSION,
         }
     )
     path = Path(cache) if cache is not None else None
