@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -107,42 +108,46 @@ def mismatch(model: MoETransformer, prompts, new_tokens: int, invariant: bool):
     return lp, ra
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
+def _interleaved_best(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Best time of each run, the runs alternating (stock, invariant, stock, ...) after one
+    warm-up each, so that a change in machine load hits both sides alike."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for name, run in runs.items():
+            best[name] = min(best[name], run())
     return best
 
 
-def train_step_time(
-    model: MoETransformer, batch: torch.Tensor, invariant: bool, repeats: int
-) -> float:
+def train_step(model: MoETransformer, batch: torch.Tensor, invariant: bool) -> Callable[[], float]:
+    """A timed training step: forward with router replay, backward, optimizer step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     with torch.no_grad(), batch_invariant(invariant):
         traces = model(batch).traces()
 
-    def step() -> None:
+    def step() -> float:
+        t0 = time.perf_counter()
         with batch_invariant(invariant):
             out = model(batch, routing=RouterReplay(traces, "R3"))
             loss = -token_logprobs(out.logits[:, :-1], batch[:, 1:]).mean()
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
 
-    return _time(step, repeats)
+    return step
 
 
-def decode_time(
-    model: MoETransformer, batch: int, prompt: int, steps: int, invariant: bool, repeats: int
-) -> float:
+def decode(
+    model: MoETransformer, batch: int, prompt: int, steps: int, invariant: bool
+) -> Callable[[], float]:
+    """Timed batched decoding: `steps` one-token steps after a prefill (not timed)."""
     ids = torch.randint(
         0, CONFIG.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1)
     )
 
-    def run() -> None:
+    def run() -> float:
         with torch.no_grad(), batch_invariant(invariant):
             cache = model.new_cache(batch, prompt + steps)
             out = model(ids, cache=cache, slots=list(range(batch)))
@@ -151,14 +156,9 @@ def decode_time(
             for _ in range(steps):
                 out = model(nxt[:, None], cache=cache, slots=list(range(batch)))
                 nxt = out.logits[:, -1].argmax(-1)
-            run.decode_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+            return time.perf_counter() - t0
 
-    best = float("inf")
-    run()
-    for _ in range(repeats):
-        run()
-        best = min(best, run.decode_s)  # type: ignore[attr-defined]
-    return best
+    return run
 
 
 def _cuda_time(fn, repeats: int = 20) -> float:
@@ -318,15 +318,23 @@ def main() -> None:
     ):
         print(f"{name:28}{fmt.format(get(s)):>18}{fmt.format(get(b)):>20}")
 
-    print("\n2) overhead of batch_invariant() over stock ops (best of repeats)")
+    print("\n2) overhead of batch_invariant() over stock ops (best of repeats, runs alternating)")
     model.train()
     batch = torch.randint(0, CONFIG.vocab_size, (4, 128) if args.quick else (8, 256), generator=gen)
-    t_stock = train_step_time(model, batch, False, repeats)
-    t_inv = train_step_time(model, batch, True, repeats)
+    train = _interleaved_best(
+        {"stock": train_step(model, batch, False), "inv": train_step(model, batch, True)}, repeats
+    )
+    t_stock, t_inv = train["stock"], train["inv"]
     model.eval()
     dec_b, dec_p, dec_s = (4, 32, 8) if args.quick else (16, 128, 32)
-    d_stock = decode_time(model, dec_b, dec_p, dec_s, False, repeats)
-    d_inv = decode_time(model, dec_b, dec_p, dec_s, True, repeats)
+    dec = _interleaved_best(
+        {
+            "stock": decode(model, dec_b, dec_p, dec_s, False),
+            "inv": decode(model, dec_b, dec_p, dec_s, True),
+        },
+        repeats,
+    )
+    d_stock, d_inv = dec["stock"], dec["inv"]
     print(f"{'':40}{'stock':>10}{'invariant':>12}{'ratio':>8}{'target':>8}")
     print(
         f"{f'training step ({tuple(batch.shape)} tokens, replay)':40}{t_stock:>9.3f}s{t_inv:>11.3f}s{t_inv / t_stock:>7.2f}x{'<=1.5x':>8}"
