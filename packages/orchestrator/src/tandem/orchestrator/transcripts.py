@@ -148,6 +148,7 @@ def oracle_transcripts(
             "obs": max_observation_chars,
             "skip": list(skip_tools),
             "format": chat.VERSION,
+            "oracle": "minimal-edit",
         }
     )
     path = Path(cache) if cache is not None else None
