@@ -36,6 +36,17 @@ _LOOP = (
 )
 
 
+def capped_text(head, tail, total, tail_cap):
+    """The kept head and tail of a stream of ``total`` bytes, with a marker for the cut."""
+    if len(tail) > tail_cap:
+        del tail[: len(tail) - tail_cap]
+    omitted = total - len(head) - len(tail)
+    text = head.decode("utf-8", "replace")
+    if omitted > 0:
+        text += f"\n[... {omitted} bytes of output omitted ...]\n"
+    return text + tail.decode("utf-8", "replace")
+
+
 def _kill(pid, sig):
     try:  # noqa: SIM105 - contextlib is a costly import here
         os.kill(pid, sig)
@@ -217,15 +228,8 @@ class Shell:
             code = int(parts[0])
             self.cwd = parts[1].decode("utf-8", "surrogateescape")
             self.exports = parts[2].decode("utf-8", "surrogateescape")
-        if len(tail) > tail_cap:
-            del tail[: len(tail) - tail_cap]
-        omitted = total - len(head) - len(tail)
-        text = head.decode("utf-8", "replace")
-        if omitted > 0:
-            text += f"\n[... {omitted} bytes of output omitted ...]\n"
-        text += tail.decode("utf-8", "replace")
         return {
-            "output": text,
+            "output": capped_text(head, tail, total, tail_cap),
             "exit_code": code,
             "timed_out": timed_out,
             "output_limit": over,

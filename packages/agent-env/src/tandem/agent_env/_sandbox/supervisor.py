@@ -21,11 +21,11 @@ import time
 
 try:
     from .jsonlite import dumps, loads
-    from .shell import Shell
+    from .shell import Shell, capped_text
 except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from jsonlite import dumps, loads
-    from shell import Shell
+    from shell import Shell, capped_text
 
 # Set by main() from the JSON config in argv[1]; importing this module has no side effects.
 CFG = {}
@@ -159,15 +159,8 @@ def run(req):
                     _killpg(pid)
     os.close(rfd)
     os.close(pidfd)
-    if len(tail) > tail_cap:
-        del tail[: len(tail) - tail_cap]
-    omitted = total - len(head) - len(tail)
-    text = head.decode("utf-8", "replace")
-    if omitted > 0:
-        text += f"\n[... {omitted} bytes of output omitted ...]\n"
-    text += tail.decode("utf-8", "replace")
     return {
-        "output": text,
+        "output": capped_text(head, tail, total, tail_cap),
         "exit_code": os.waitstatus_to_exitcode(status),
         "timed_out": timed_out,
         "output_limit": over,
