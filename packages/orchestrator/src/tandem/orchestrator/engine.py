@@ -33,6 +33,14 @@ from tandem.moe_determinism import MoETransformer, batch_invariant, token_logpro
 from tandem.orchestrator.config import EngineConfig
 
 
+def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits of the distribution tokens are sampled from (divided by ``temperature``;
+    0, greedy, and 1 leave them as they are). The trainer scores with this same function, so
+    its log-probs equal the engine's bit for bit at any temperature."""
+    logits = logits.float()
+    return logits if temperature in (0.0, 1.0) else logits / temperature
+
+
 class EngineError(RuntimeError):
     """The engine was asked for something it cannot do (no free slot, context full, ...)."""
 
@@ -241,7 +249,7 @@ class InferenceEngine:
 
     def _sample(self, logits: torch.Tensor, active: list[_Active]) -> tuple[list[int], list[float]]:
         temperature = self.config.temperature
-        scaled = logits.float() if temperature in (0.0, 1.0) else logits.float() / temperature
+        scaled = sampling_logits(logits, temperature)
         if temperature == 0.0:
             tokens = scaled.argmax(-1)
         else:

@@ -32,6 +32,7 @@ from tandem.moe_determinism import (
     token_logprobs,
 )
 from tandem.orchestrator.config import TrainerConfig
+from tandem.orchestrator.engine import sampling_logits
 from tandem.orchestrator.episode import Sample
 
 
@@ -90,8 +91,7 @@ def score(
 
     Only tokens 0..n-2 of a row are fed: the last token predicts nothing, and the engine
     never fed it either (so it has no recorded route). Log-probs are those of the sampling
-    distribution: logits divided by the engine's ``temperature`` exactly as the engine does
-    (1 and 0 leave them as they are).
+    distribution at the engine's ``temperature`` (`sampling_logits`).
     """
     ids = batch.input_ids
     assert batch.attention_mask is not None
@@ -106,9 +106,7 @@ def score(
             own = model(inputs, fed)
         routing = RouterReplay(own.traces(), "R2")
     out = model(inputs, fed, routing=routing)
-    logits = out.logits.float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
+    logits = sampling_logits(out.logits, temperature)
     lp = token_logprobs(logits, ids[:, 1:]) if ids.shape[1] > 1 else logits[..., 0]
     lp = F.pad(lp, (1, 0)) if ids.shape[1] > 1 else torch.zeros_like(ids, dtype=torch.float32)
     return lp, out.route_ids, out.counts
@@ -164,7 +162,6 @@ class RLTrainer:
             betas=(config.betas[0], config.betas[1]),
             weight_decay=config.weight_decay,
         )
-        self.temperature = temperature
         self.hook = _ReplayForward(config.replay, temperature)
         self.grpo = GRPOTrainer(
             model,
@@ -234,8 +231,8 @@ class RLTrainer:
             order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
             sub = batch.select(order)
             with torch.no_grad():
-                lp_free, ids_free, counts = score(self.model, sub, "none", self.temperature)
-                _, ids_replay, _ = score(self.model, sub, "R3", self.temperature)
+                lp_free, ids_free, counts = score(self.model, sub, "none", self.hook.temperature)
+                _, ids_replay, _ = score(self.model, sub, "R3", self.hook.temperature)
             recorded = torch.cat([sub.extras["routes"][i, :n].long() for i, n in enumerate(counts)])
             free = routing_agreement(ids_free, recorded)
             replayed = routing_agreement(ids_replay, recorded)

@@ -66,9 +66,9 @@ def minimal_edit(text: str, old: str, new: str, min_chars: int = 10) -> tuple[st
 
     The reference fix replaces whole lines; a policy that only has to copy the few characters
     around the change (``number > 1`` -> ``number > 0``), extended until they match once in
-    the file and at least ``min_chars`` long (enough context to say *where*), learns the fix
-    from far fewer examples. Returns ``(old, new)`` unchanged when
-    ``old`` does not occur exactly once.
+    the file and are at least ``min_chars`` long (enough context to say *where*), learns the
+    fix from far fewer examples. Returns ``(old, new)`` unchanged when ``old`` does not occur
+    exactly once.
     """
     if text.count(old) != 1 or old == new:
         return old, new
@@ -78,25 +78,23 @@ def minimal_edit(text: str, old: str, new: str, min_chars: int = 10) -> tuple[st
     suf = 0
     while suf < min(len(old), len(new)) - pre and old[-1 - suf] == new[-1 - suf]:
         suf += 1
-    lo, hi_old, hi_new = pre, len(old) - suf, len(new) - suf
+    # old[:lo] and old[hi:] are shared with new, so the same span of new ends at hi + shift.
+    shift = len(new) - len(old)
 
-    def widen(lo: int, hi_old: int, hi_new: int) -> tuple[int, int, int]:
+    def widen(lo: int, hi: int) -> tuple[int, int]:
         while lo > 0 and not old[lo - 1].isspace():
             lo -= 1
-        while hi_old < len(old) and not old[hi_old].isspace():
-            hi_old, hi_new = hi_old + 1, hi_new + 1
-        return lo, hi_old, hi_new
+        while hi < len(old) and not old[hi].isspace():
+            hi += 1
+        return lo, hi
 
-    lo, hi_old, hi_new = widen(lo, hi_old, hi_new)
-    while text.count(old[lo:hi_old]) != 1 or len(old[lo:hi_old].strip()) < min(
-        min_chars, len(old.strip())
-    ):
-        if lo == 0 and hi_old == len(old):
+    lo, hi = widen(pre, len(old) - suf)
+    need = min(min_chars, len(old.strip()))
+    while text.count(old[lo:hi]) != 1 or len(old[lo:hi].strip()) < need:
+        if lo == 0 and hi == len(old):
             return old, new
-        lo, hi_old, hi_new = widen(
-            max(lo - 1, 0), min(hi_old + 1, len(old)), hi_new + (hi_old < len(old))
-        )
-    return old[lo:hi_old], new[lo:hi_new]
+        lo, hi = widen(max(lo - 1, 0), min(hi + 1, len(old)))
+    return old[lo:hi], new[lo : hi + shift]
 
 
 class MinimalEditOracle:
