@@ -67,6 +67,7 @@ class Runtime:
         self.root = Path(tempfile.mkdtemp(prefix=f"tandem-agent-env-{os.getpid()}-", dir=root))
         self._bases: OrderedDict[str, Path] = OrderedDict()
         self._refs: dict[Path, int] = {}
+        self._built: set[str] = set()  # digests of the bases built under root/bases
         self.max_cached_bases = 512
         self._episodes = 0
         self.cgroups: CgroupManager | None = None
@@ -129,6 +130,8 @@ class Runtime:
         if path is None:
             path = self._build_base(task, digest)
             self._bases[digest] = path
+            if path.parent == self.root / "bases":  # not a directory used in place
+                self._built.add(digest)
         self._bases.move_to_end(digest)
         self._refs[path] = self._refs.get(path, 0) + 1
         return path
@@ -136,14 +139,16 @@ class Runtime:
     def release_base(self, path: Path) -> None:
         """An episode is done with a base; evict unused bases beyond ``max_cached_bases``."""
         self._refs[path] = self._refs.get(path, 1) - 1
-        built = [d for d, p in self._bases.items() if p.parent == self.root / "bases"]
-        excess = len(built) - self.max_cached_bases
-        for digest in built:
+        excess = len(self._built) - self.max_cached_bases
+        if excess <= 0:  # the common case: no scan of the cache per episode
+            return
+        for digest in [d for d in self._bases if d in self._built]:  # least recently used first
             if excess <= 0:
                 break
             p = self._bases[digest]
             if self._refs.get(p, 0) <= 0:
                 del self._bases[digest]
+                self._built.discard(digest)
                 self._refs.pop(p, None)
                 shutil.rmtree(p, ignore_errors=True)
                 excess -= 1
