@@ -109,3 +109,32 @@ def test_odd_commands_are_reported_not_fatal(config: EnvConfig) -> None:
     assert out[1].splitlines()[:3] == ["é", "ü", "done"]
     assert out[2].startswith("error:") and "NUL" in out[2]
     assert out[3].startswith("stdin-is-empty")
+
+
+def test_orphans_are_reaped_while_a_command_runs(config: EnvConfig) -> None:
+    # each subshell exits at once and leaves its `sleep` to the sandbox's init: far more of
+    # them over the call than the pids limit allows at a time, so their zombies must be
+    # collected while the command is still running, by the shell and by `run_tests` alike
+    orphans = config.sandbox.limits.pids * 3
+    loop = f"for i in $(seq {orphans}); do (sleep 0.01 &); done; sleep 0.3"
+    count = "ls /proc | grep -c '^[0-9]'"
+    task = msgspec.structs.replace(TASK, visible_test_command=f"{loop}; echo ran-{orphans}")
+    env_calls = [bash(f"{loop}; echo made-{orphans}"), bash(count), ToolCall("run_tests")]
+
+    async def main() -> list[str]:
+        env = Env(task, config)
+        await env.reset()
+        try:
+            out = [(await env.step(c)).observation.content for c in env_calls]
+            out.append((await env.step(bash(count))).observation.content)
+            return out
+        finally:
+            await env.close()
+
+    out = asyncio.run(main())
+    for text in out:
+        assert "Resource temporarily unavailable" not in text and "retry" not in text, text
+    assert f"made-{orphans}" in out[0] and "[exit code 0]" in out[0]
+    assert f"ran-{orphans}" in out[2] and "[exit code 0]" in out[2]
+    # nothing left but the supervisor (and, in a bwrap sandbox, its init), bash, ls and grep
+    assert int(out[1].splitlines()[0]) <= 5 and int(out[3].splitlines()[0]) <= 5

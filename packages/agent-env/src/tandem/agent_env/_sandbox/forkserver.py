@@ -18,9 +18,8 @@ builds a sandbox of its own before any untrusted code runs:
 
 The server forks each job straight into fresh namespaces (it unshares them, forks, and
 returns to its own). Pid 1 of a job's namespaces is its init; when it exits the kernel kills everything left
-there, so nothing a job started survives it. A ``session`` job runs the episode supervisor as
-pid 2 on the socket (like bwrap's init and the supervisor); a ``grade`` job runs the hidden
-tests in pid 1 itself.
+there, so nothing a job started survives it. A ``session`` job runs the episode supervisor
+as that pid 1 (it reaps the orphans an init gets), a ``grade`` job the hidden tests.
 
 Stdlib only (plus ``ctypes`` for the system calls Python does not wrap); the protocol with the
 host is one JSON job per SOCK_SEQPACKET message on fd ``argv[1]``, carrying the job's socket
@@ -211,32 +210,21 @@ def _run_grade(job, sock):
 
 
 def _run_session(job, sock):
-    """Pid 1 of an episode: the supervisor runs as pid 2 on the socket; this init reaps
-    orphans and exits with it (which ends every process the episode left)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            os.dup2(sock.fileno(), 0)
-            os.dup2(sock.fileno(), 1)
-            null = os.open("/dev/null", os.O_WRONLY)
-            os.dup2(null, 2)
-            sock.close()
-            _close_fds_but(2)
-            supervisor.serve(job["config"])
-        finally:
-            os._exit(0)
-    sock.close()
-    _close_fds_but(2)
-    while True:
-        try:
-            done, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            os._exit(0)
-        except InterruptedError:
-            continue
-        if done == pid:
-            os._exit(min(255, max(0, os.waitstatus_to_exitcode(status))))
+    """Pid 1 of an episode is its supervisor, on the socket: no second fork of this
+    interpreter. As init it cannot be killed from inside its namespace (signals it has no
+    handler for are dropped there), it collects the orphans re-parented to it, and its exit
+    ends every process the episode left."""
+    try:
+        os.dup2(sock.fileno(), 0)
+        os.dup2(sock.fileno(), 1)
+        null = os.open("/dev/null", os.O_WRONLY)
+        os.dup2(null, 2)
+        sock.close()
+        _close_fds_but(2)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # no KeyboardInterrupt from `kill -INT 1`
+        supervisor.serve(job["config"])
+    finally:
+        os._exit(0)
 
 
 def _job_init(job, sock):

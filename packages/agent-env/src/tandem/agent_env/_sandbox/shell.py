@@ -54,10 +54,46 @@ def _kill(pid, sig):
         pass
 
 
+def reap_orphans(keep, wakeup_fd=-1):
+    """As the sandbox's init (pid 1), collect exited processes that were re-parented to us,
+    leaving alone the children in ``keep`` (their exit status is read where they are waited
+    for). Without this, orphans' zombies would count against the pids limit.
+    ``wakeup_fd``: the SIGCHLD wake-up pipe that called us, drained first."""
+    while wakeup_fd >= 0:
+        try:
+            if not os.read(wakeup_fd, 4096):
+                break
+        except BlockingIOError:
+            break
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        if info.si_pid in keep:
+            break  # rare: one of ours exited first; find the others by name
+        try:  # noqa: SIM105 - contextlib is a costly import here
+            os.waitpid(info.si_pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    me = str(os.getpid()).encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in keep:
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                if fields[0] == b"Z" and fields[1] == me:
+                    os.waitpid(int(name), os.WNOHANG)
+            except (OSError, IndexError):
+                continue
+
+
 class Shell:
     """One bash process in its own session; ``run`` executes a command in it."""
 
-    def __init__(self, shell, workspace, env, cpu_s, pid_namespace):
+    def __init__(self, shell, workspace, env, cpu_s, pid_namespace, reap_fd=-1):
         self.argv = [shell, "--norc", "--noprofile", "-c", _LOOP]
         self.ws = workspace
         self.env = env
@@ -65,6 +101,9 @@ class Shell:
         # kill(-1) and the /proc sweep are only safe when this sandbox has its own pid
         # namespace (and we are not root): unsandboxed, they would reach the host's processes
         self.own_pids = bool(pid_namespace) and os.getuid() != 0
+        # the supervisor may be the sandbox's init itself: then orphans are ours to collect,
+        # as soon as SIGCHLD writes to this wake-up pipe
+        self.reap_fd = reap_fd if self.own_pids else -1
         self.pid = 0
         self.cwd = workspace
         self.exports = ""
@@ -180,6 +219,8 @@ class Shell:
             pass
         if frame:
             poller.register(self.ctl, select.POLLOUT)
+        if self.reap_fd >= 0:  # a long command's orphans are collected while it runs
+            poller.register(self.reap_fd, select.POLLIN)
         deadline = t0 + timeout
         while status is None:
             now = time.monotonic()
@@ -215,6 +256,8 @@ class Shell:
                     exited = True
                     status = b""
                     break
+                elif fd == self.reap_fd:
+                    reap_orphans((self.pid,), self.reap_fd)
             if over:
                 break
         total = self._read_out(head, tail, head_cap, tail_cap, total)
@@ -292,6 +335,8 @@ class Shell:
             others = self._others(me)
             if others:
                 time.sleep(0.001)
+        if self.reap_fd >= 0:  # everything left is a zombie now: the orphans are ours
+            reap_orphans((self.pid,), self.reap_fd)
 
 
 def _quote(text):

@@ -21,11 +21,11 @@ import time
 
 try:
     from .jsonlite import dumps, loads
-    from .shell import Shell, capped_text
+    from .shell import Shell, capped_text, reap_orphans
 except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from jsonlite import dumps, loads
-    from shell import Shell, capped_text
+    from shell import Shell, capped_text, reap_orphans
 
 # Set by main() from the JSON config in argv[1]; importing this module has no side effects.
 CFG = {}
@@ -33,6 +33,7 @@ WS = "/workspace"
 SHELL = "/bin/bash"
 ENV = {}
 SHELLS = []  # the episode's persistent shell, started on first use
+REAP_FD = -1  # as its sandbox's init (pid 1): the SIGCHLD wake-up pipe for reaping orphans
 
 
 class ToolFailure(Exception):
@@ -120,6 +121,8 @@ def run(req):
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
     poller.register(pidfd, select.POLLIN)
+    if REAP_FD >= 0:  # a long command's orphans are collected while it runs
+        poller.register(REAP_FD, select.POLLIN)
     deadline = t0 + timeout
     drain_until = None
     pipe_open = True
@@ -134,7 +137,9 @@ def run(req):
             break
         limit = deadline if status is None else drain_until
         for fd, _ in poller.poll(max(0, int((limit - now) * 1000)) + 1):
-            if fd == pidfd and status is None:
+            if fd == REAP_FD:
+                reap_orphans(_children(pid if status is None else 0), REAP_FD)
+            elif fd == pidfd and status is None:
                 status = os.waitpid(pid, 0)[1]
                 poller.unregister(pidfd)
                 _killpg(pid)  # background jobs of the command go with it
@@ -172,7 +177,7 @@ def run(req):
 def shell(req):
     """Run a command in the episode's persistent shell (state kept between calls)."""
     if not SHELLS:
-        SHELLS.append(Shell(SHELL, WS, ENV, CFG.get("cpu"), CFG.get("pid_namespace")))
+        SHELLS.append(Shell(SHELL, WS, ENV, CFG.get("cpu"), CFG.get("pid_namespace"), REAP_FD))
     return SHELLS[0].run(
         req["cmd"],
         float(req.get("timeout", CFG.get("timeout", 30))),
@@ -180,6 +185,14 @@ def shell(req):
         int(req.get("tail", CFG.get("tail", 5000))),
         int(CFG.get("max_stream", 16 << 20)),
     )
+
+
+def _children(pid):
+    """The children this supervisor waits for itself: a command's and the shell."""
+    keep = [pid] if pid else []
+    if SHELLS and SHELLS[0].pid:
+        keep.append(SHELLS[0].pid)
+    return keep
 
 
 def _killpg(pid):
@@ -342,6 +355,22 @@ OPS = {
 }
 
 
+def _on_sigchld(signum, frame):
+    pass  # the wake-up pipe says it; reaping happens where the supervisor polls
+
+
+def _become_reaper():
+    """The supervisor is its sandbox's init: orphans are re-parented to it. SIGCHLD writes
+    to a wake-up pipe that the command loops poll, so they are collected at once."""
+    global REAP_FD
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, _on_sigchld)
+    REAP_FD = r
+
+
 def main():
     serve(loads(sys.argv[1]))
 
@@ -351,6 +380,8 @@ def serve(cfg):
     so nothing but answers reaches the host)."""
     global CFG, WS, SHELL, ENV
     CFG = cfg
+    if CFG.get("pid_namespace") and os.getpid() == 1 and os.getuid() != 0:
+        _become_reaper()
     WS = os.path.realpath(CFG["workspace"])
     os.chdir(WS)  # where the shell and other commands start
     SHELL = CFG.get("shell", "/bin/bash")
@@ -375,6 +406,8 @@ def serve(cfg):
         except (KeyError, IndexError, TypeError, ValueError, UnicodeError) as e:
             resp = {"ok": False, "error": f"bad request: {type(e).__name__}: {e}"}
         out.write(dumps(resp) + "\n")
+        if REAP_FD >= 0:
+            reap_orphans(_children(0), REAP_FD)
     for sh in SHELLS:
         sh.close()
 
