@@ -29,6 +29,7 @@ as SCM_RIGHTS.
 import ctypes
 import fcntl
 import gc
+import json  # noqa: F401 - loaded warm for the supervisors (runner keeps its private codec)
 import os
 import resource
 import signal

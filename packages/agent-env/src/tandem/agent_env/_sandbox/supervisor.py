@@ -9,7 +9,8 @@ refuse any path that resolves outside the workspace.
 
 Stdlib only, Python >= 3.8: this runs on the sandbox's system interpreter. It starts once per
 episode, so it avoids heavy imports (json pulls in re, enum, collections: more than the
-interpreter's own start-up) and carries a minimal JSON codec instead.
+interpreter's own start-up) and carries a minimal JSON codec instead; forked from the fork
+server, where ``json`` is loaded already, it uses that.
 """
 
 import _signal as signal  # the enum-free core of `signal`: a much cheaper import
@@ -26,6 +27,11 @@ except ImportError:  # run as a script (python -I leaves the script's directory 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from jsonlite import dumps, loads
     from shell import Shell, capped_text, reap_orphans
+
+if "json" in sys.modules:  # a warm interpreter (the fork server's) has loaded the C codec
+    import json
+
+    dumps, loads = json.dumps, json.loads  # the same wire format, ~5x cheaper
 
 # Set by main() from the JSON config in argv[1]; importing this module has no side effects.
 CFG = {}
