@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
-import uuid
 from typing import Any
 
 import structlog
@@ -64,6 +64,7 @@ class Env:
         self._t0 = 0.0
         self._restarts = 0
         self._counters = (0, 0)
+        self._call_prefix = secrets.token_hex(5)
 
     @staticmethod
     def tool_schemas() -> list[dict[str, Any]]:
@@ -93,6 +94,7 @@ class Env:
         self.steps, self.turn, self.done, self.termination, self.result = [], 0, False, "", None
         self._restarts = 0
         self._counters = (0, 0)
+        self._call_prefix = secrets.token_hex(5)  # ids unique per episode, one draw per reset
         self._t0 = time.monotonic()
         try:
             await self._session.start()
@@ -202,7 +204,7 @@ class Env:
             )
         t0 = time.monotonic()
         call = self._normalise(tool_call)
-        call_id = call.id or f"call_{uuid.uuid4().hex[:12]}"
+        call_id = call.id or f"call_{self._call_prefix}{self.turn + 1:03d}"
         raw = call.arguments
         if isinstance(raw, bytes):
             raw_text = raw.decode("utf-8", "replace")

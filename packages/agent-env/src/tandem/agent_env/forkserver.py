@@ -171,7 +171,8 @@ class ForkServer:
                 finally:
                     theirs.close()
             try:
-                pid, first = await asyncio.wait_for(_recv_creds(mine), _HANDSHAKE_TIMEOUT_S)
+                async with asyncio.timeout(_HANDSHAKE_TIMEOUT_S):
+                    pid, first = await _recv_creds(mine)
             except (TimeoutError, ConnectionError) as e:
                 raise ForkServerError(f"the job did not report: {e!r}") from e
             if first != b"r":  # the server reports why it could not start the job
@@ -214,7 +215,8 @@ class ForkServer:
             sock = await self.launch(job, cgroup)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 22)
             try:
-                await asyncio.wait_for(_read_lines(reader, out), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await _read_lines(reader, out)
             except TimeoutError:
                 out.timed_out = True
             finally:

@@ -165,7 +165,8 @@ class Session:
         if self._reader is None:
             raise SessionLost("the sandbox is not running")
         try:
-            line = await asyncio.wait_for(self._reader.readline(), timeout)
+            async with asyncio.timeout(timeout):  # a timer, no task per call (as wait_for)
+                line = await self._reader.readline()
         except TimeoutError:
             raise SessionLost(f"no answer within {timeout:.0f} s") from None
         except (ValueError, asyncio.LimitOverrunError):
