@@ -61,6 +61,9 @@ _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x80
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
 _LAYERS = "/.layers"
+
+
+_LAST_CAP = 63  # the highest capability this kernel knows: read by main(), once for all jobs
 _UID = 1000
 _WS = "/workspace"
 
@@ -122,8 +125,12 @@ def _loopback_up():
 
 
 def _write(path, text):
-    with open(path, "w") as f:
-        f.write(text)
+    # one write(2), no file object: a job's every touched object is a page copied
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _become_agent():
@@ -150,9 +157,9 @@ def _become_agent():
 
 def _drop_privileges():
     """No capabilities and no way back to them for what runs next."""
-    for cap in range(64):
+    for cap in range(_LAST_CAP + 1):
         if _LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-            break  # past the last capability this kernel knows
+            break  # past the last capability this kernel knows (when it could not be read)
     _check(_LIBC.prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0), "securebits")
     _check(_LIBC.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
@@ -161,11 +168,14 @@ def _drop_privileges():
     if nr is None:
         raise OSError(0, f"unsupported architecture {os.uname().machine}")
     _check(_LIBC.syscall(nr, header, data), "capset")
-    with open("/proc/self/status") as f:
-        status = f.read()
-    for key in ("CapEff:", "CapPrm:", "CapBnd:", "CapAmb:"):
+    fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        status = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    for key in (b"CapEff:", b"CapPrm:", b"CapBnd:", b"CapAmb:"):
         if int(status.split(key, 1)[1].split()[0], 16):
-            raise OSError(0, f"capabilities left after dropping them ({key})")
+            raise OSError(0, f"capabilities left after dropping them ({key.decode()})")
 
 
 def _limits(job):
@@ -291,7 +301,13 @@ def _job(job, sock):
 
 
 def main():
+    global _LAST_CAP
     ctl = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            _LAST_CAP = int(f.read())
+    except (OSError, ValueError):
+        pass  # then each job drops capabilities up to the first that the kernel refuses
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # jobs are reaped by the kernel
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # Everything imported so far goes to the permanent generation: jobs' garbage collections

@@ -47,6 +47,25 @@ def capped_text(head, tail, total, tail_cap):
     return text + tail.decode("utf-8", "replace")
 
 
+def read_small(path):
+    """A small /proc file's bytes, with no buffered file object: in a freshly forked
+    interpreter every object touched is a page copied, and io's machinery is many objects."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def write_small(path, data):
+    """Write ``data`` (bytes) in one write(2) to an existing file, e.g. under /proc."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def _kill(pid, sig):
     try:  # noqa: SIM105 - contextlib is a costly import here
         os.kill(pid, sig)
@@ -82,8 +101,7 @@ def reap_orphans(keep, wakeup_fd=-1):
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) not in keep:
             try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
+                fields = read_small(f"/proc/{name}/stat").rsplit(b")", 1)[1].split()
                 if fields[0] == b"Z" and fields[1] == me:
                     os.waitpid(int(name), os.WNOHANG)
             except (OSError, IndexError):
@@ -139,9 +157,8 @@ class Shell:
         if self.cpu_s:
             cpu = int(self.cpu_s)
             resource.prlimit(pid, resource.RLIMIT_CPU, (cpu, cpu + 1))
-        try:
-            with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-                f.write("1000")
+        try:  # noqa: SIM105 - contextlib is a costly import here
+            write_small(f"/proc/{pid}/oom_score_adj", b"1000")
         except OSError:
             pass
         for fd in (self.ctl, self.st, self.out):
@@ -311,8 +328,7 @@ class Shell:
                 pid = int(name)
                 if pid != 1 and pid != me and pid != self.pid:
                     try:
-                        with open(f"/proc/{pid}/stat", "rb") as f:
-                            state = f.read().rsplit(b")", 1)[1][1:2]
+                        state = read_small(f"/proc/{pid}/stat").rsplit(b")", 1)[1][1:2]
                     except OSError:
                         continue
                     if state != b"Z":

@@ -22,11 +22,11 @@ import time
 
 try:
     from .jsonlite import dumps, loads
-    from .shell import Shell, capped_text, reap_orphans
+    from .shell import Shell, capped_text, reap_orphans, write_small
 except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from jsonlite import dumps, loads
-    from shell import Shell, capped_text, reap_orphans
+    from shell import Shell, capped_text, reap_orphans, write_small
 
 if "json" in sys.modules:  # a warm interpreter (the fork server's) has loaded the C codec
     import json
@@ -59,9 +59,8 @@ def _child(argv, wfd, cpu_s):
             signal.signal(sig, signal.SIG_DFL)
         if cpu_s:
             resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 1))
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
+        try:  # noqa: SIM105 - contextlib is a costly import here
+            write_small("/proc/self/oom_score_adj", b"1000")
         except OSError:
             pass
         os.chdir(WS)
