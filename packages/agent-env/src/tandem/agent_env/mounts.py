@@ -111,11 +111,14 @@ class MountHelper:
                 f"workspace mount helper: {req['op']} {req['path']}: {resp.get('error')}"
             )
 
-    async def call(self, op: str, path: str, size: int = 0, dirs: tuple[str, ...] = ()) -> None:
+    def call_sync(self, op: str, path: str, size: int = 0, dirs: tuple[str, ...] = ()) -> None:
         """``mount`` (a tmpfs of ``size`` bytes with ``upper`` and ``dirs`` in it), ``mkdir``
-        or ``umount``; one round trip each."""
-        req = {"op": op, "path": path, "size": size, "dirs": list(dirs)}
-        await asyncio.to_thread(self._call, req)
+        or ``umount``; one round trip each. Blocks: call it from a worker thread."""
+        self._call({"op": op, "path": path, "size": size, "dirs": list(dirs)})
+
+    async def call(self, op: str, path: str, size: int = 0, dirs: tuple[str, ...] = ()) -> None:
+        """:meth:`call_sync` in a worker thread."""
+        await asyncio.to_thread(self.call_sync, op, path, size, dirs)
 
     def close(self) -> None:
         if self._proc.poll() is None:

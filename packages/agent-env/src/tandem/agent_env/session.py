@@ -23,6 +23,7 @@ from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
 from tandem.agent_env.forkserver import ForkServerError
+from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.proc import ChildProcess, reap, spawn
 
 if TYPE_CHECKING:
@@ -110,22 +111,27 @@ class Session:
         await self.halt()
         return False
 
+    def _prepare(self, work: Path) -> None:
+        """The episode's disk (mounted once, a fresh overlay work directory per start) and its
+        cgroup (kept across restarts: files written stay charged). Blocking; in a thread."""
+        rt, lim = self.runtime, self.limits
+        assert rt.cgroups is not None and rt.mounts is not None
+        if not self._mounted:
+            rt.mounts.call_sync("mount", str(self.disk), lim.disk_bytes, (work.name,))
+            self._mounted = True
+        else:
+            rt.mounts.call_sync("mkdir", str(work))
+        if self.cgroup is None:
+            mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
+            self.cgroup = rt.cgroups.create(mem, lim.pids)
+
     async def start(self) -> None:
         """Start (or restart) the sandbox; raises SessionLost if it does not come up."""
         self.starts += 1
         rt = self.runtime
         if rt.sandboxed:
-            assert rt.cgroups is not None and rt.mounts is not None
-            lim = self.limits
             work = self.disk / f"work{self.starts}"
-            if not self._mounted:
-                await rt.mounts.call("mount", str(self.disk), lim.disk_bytes, (work.name,))
-                self._mounted = True
-            else:
-                await rt.mounts.call("mkdir", str(work))
-            if self.cgroup is None:  # kept across restarts: files written stay charged
-                mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
-                self.cgroup = await asyncio.to_thread(rt.cgroups.create, mem, lim.pids)
+            await asyncio.to_thread(self._prepare, work)  # one trip to a worker thread
             if await self._start_forked(work):
                 return
             argv = rt.base_argv + bw.workspace_args([str(self.base)], str(self.upper), str(work))
@@ -221,14 +227,25 @@ class Session:
 
     async def discard(self) -> None:
         """Stop and delete the episode's files."""
-        await self.stop()
-        if self._mounted and self.runtime.mounts is not None:
-            await self.runtime.mounts.call("umount", str(self.disk))
-            self._mounted = False
-        await asyncio.to_thread(shutil.rmtree, self.dir, True)
+        self._disconnect()
+        if self.proc is not None:  # a sandbox of its own: killed and waited for first
+            await self.stop()
+        cgroup, self.cgroup = self.cgroup, None
+        mounts = self.runtime.mounts if self._mounted else None
+        self._mounted = False
+        await asyncio.to_thread(self._remove, cgroup, mounts)  # one trip to a worker thread
         if not self._released:
             self._released = True
             self.runtime.release_base(self.base)
+
+    def _remove(self, cgroup: EpisodeCgroup | None, mounts: MountHelper | None) -> None:
+        """Kill what is left in the cgroup and remove it, unmount the episode's disk, delete
+        its directory (blocking; in a thread)."""
+        if cgroup is not None:
+            cgroup.remove()
+        if mounts is not None:
+            mounts.call_sync("umount", str(self.disk))
+        shutil.rmtree(self.dir, True)
 
     def final_layers(self) -> list[str]:
         """The final workspace as overlay layers (bottom to top) or a plain directory."""
