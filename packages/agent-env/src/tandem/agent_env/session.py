@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 
 from tandem.agent_env import bwrap as bw
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 _STREAM_LIMIT = 8 << 20
+_decode = msgspec.json.Decoder(dict[str, Any]).decode  # answers are JSON objects, one a line
 
 
 class SessionLost(Exception):
@@ -179,7 +181,10 @@ class Session:
             raise SessionLost("oversized answer from the supervisor") from None
         if not line:
             raise SessionLost("the supervisor exited")
-        return json.loads(line)
+        try:
+            return _decode(line)
+        except msgspec.DecodeError:
+            raise SessionLost(f"garbled answer from the supervisor: {line[:200]!r}") from None
 
     async def request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one request; SessionLost if the supervisor dies or hangs (it is then stopped)."""
