@@ -23,6 +23,7 @@ import structlog
 from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
+from tandem.agent_env.deadlines import deadlines
 from tandem.agent_env.forkserver import ForkServerError
 from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.proc import ChildProcess, reap, spawn
@@ -170,15 +171,19 @@ class Session:
         return ""
 
     async def _read(self, timeout: float) -> dict[str, Any]:
-        if self._reader is None:
+        reader = self._reader
+        if reader is None:
             raise SessionLost("the sandbox is not running")
+        watch = deadlines()  # no timer armed per call (see deadlines.py)
+        watch.add(self, timeout, lambda: reader.set_exception(TimeoutError()))
         try:
-            async with asyncio.timeout(timeout):  # a timer, no task per call (as wait_for)
-                line = await self._reader.readline()
+            line = await reader.readline()
         except TimeoutError:
             raise SessionLost(f"no answer within {timeout:.0f} s") from None
         except (ValueError, asyncio.LimitOverrunError):
             raise SessionLost("oversized answer from the supervisor") from None
+        finally:
+            watch.discard(self)
         if not line:
             raise SessionLost("the supervisor exited")
         try:
