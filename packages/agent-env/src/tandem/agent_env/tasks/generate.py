@@ -66,12 +66,21 @@ def generate_task(
     kinds: Sequence[str] = mutate.BUG_KINDS,
     functions_per_repo: int = 3,
     hidden_per_function: int = 8,
+    *,
+    functions: Sequence[str] | None = None,
+    modules: Sequence[str] | None = None,
 ) -> Task:
-    """Task number ``index`` of ``seed`` (deterministic)."""
+    """Task number ``index`` of ``seed`` (deterministic).
+
+    ``functions`` narrows the template functions the bug is drawn from (and the repository's
+    other functions), ``modules`` the module names; both default to all of them.
+    """
+    pool = _pick(TEMPLATES, functions)
+    names = tuple(modules) if modules else MODULE_NAMES
     rng = random.Random(f"tandem-agent-env:{seed}:{index}")
     for attempt in range(400):
         kind = kinds[(index + attempt // 40) % len(kinds)]
-        target = rng.choice(TEMPLATES)
+        target = rng.choice(pool)
         cands = mutate.candidates(target.source, target.name, kind)
         if not cands:
             continue
@@ -115,6 +124,8 @@ def generate_task(
                 example,
                 functions_per_repo,
                 hidden_per_function,
+                pool,
+                names,
             )
         except ValueError:
             continue
@@ -134,9 +145,11 @@ def _assemble(
     example: tuple[tuple, object, tuple[str, object]],
     functions_per_repo: int,
     hidden_per_function: int,
+    pool: Sequence[Template],
+    modules: Sequence[str],
 ) -> Task:
-    module = rng.choice(MODULE_NAMES)
-    others = rng.sample([t for t in TEMPLATES if t is not target], functions_per_repo - 1)
+    module = rng.choice(modules)
+    others = rng.sample([t for t in pool if t is not target], functions_per_repo - 1)
     order = [target, *others]
     rng.shuffle(order)
     header = f'"""{module}: small utility functions."""\n\n\n'
@@ -214,6 +227,16 @@ def _assemble(
     )
 
 
+def _pick(templates: Sequence[Template], names: Sequence[str] | None) -> list[Template]:
+    if not names:
+        return list(templates)
+    by_name = {t.name: t for t in templates}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SandboxError(f"unknown template functions {unknown}; choose from {sorted(by_name)}")
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
 def generate_tasks(
     seed: int,
     n: int,
@@ -222,18 +245,34 @@ def generate_tasks(
     kinds: Sequence[str] = mutate.BUG_KINDS,
     functions_per_repo: int = 3,
     hidden_per_function: int = 8,
+    functions: Sequence[str] | None = None,
+    modules: Sequence[str] | None = None,
 ) -> list[Task]:
     """``n`` generated tasks, numbers ``start .. start + n - 1`` of ``seed``.
 
     Bug kinds rotate with the index (so any 7 consecutive tasks cover all kinds). Use
-    different seeds for training and held-out sets.
+    different seeds for training and held-out sets. ``functions`` and ``modules`` narrow the
+    task family (the template functions and module names drawn from; default: all), e.g. for
+    a curriculum or a small model's demo.
     """
     bad = [k for k in kinds if k not in mutate.BUG_KINDS]
     if bad or not kinds:
         raise SandboxError(f"unknown bug kinds {bad}; choose from {mutate.BUG_KINDS}")
-    if not 1 <= functions_per_repo <= len(TEMPLATES):
-        raise SandboxError(f"functions_per_repo must be in 1..{len(TEMPLATES)}")
+    pool = _pick(TEMPLATES, functions)
+    if not 1 <= functions_per_repo <= len(pool):
+        raise SandboxError(f"functions_per_repo must be in 1..{len(pool)}")
+    bad_modules = [m for m in modules or () if not m.isidentifier()]
+    if bad_modules:
+        raise SandboxError(f"module names must be Python identifiers, got {bad_modules}")
     return [
-        generate_task(seed, i, kinds, functions_per_repo, hidden_per_function)
+        generate_task(
+            seed,
+            i,
+            kinds,
+            functions_per_repo,
+            hidden_per_function,
+            functions=functions,
+            modules=modules,
+        )
         for i in range(start, start + n)
     ]
