@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.agent_env import generate_tasks
-from tandem.orchestrator.config import ConfigValueError, RLConfig
+from tandem.orchestrator.config import ConfigValueError, RLConfig, TaskConfig
 from tandem.orchestrator.episode import (
     FORMAT_ERROR_TOOL,
     Sample,
@@ -130,6 +130,28 @@ def test_collate_pads_and_aligns(chat) -> None:
 def test_bad_rl_config_names_the_field() -> None:
     with pytest.raises(ConfigValueError, match="group_size"):
         RLConfig(group_size=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"functions": ["gcd", "nope"]}, "functions: unknown"),
+        ({"functions": ["gcd"], "functions_per_repo": 2}, "functions_per_repo"),
+        ({"modules": ["a b"]}, "modules"),
+    ],
+)
+def test_bad_task_family_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigValueError, match=field):
+        TaskConfig(**kwargs)
+
+
+def test_task_source_draws_from_the_configured_family() -> None:
+    from tandem.orchestrator.tasks import TaskSource
+
+    config = TaskConfig(functions=["gcd", "digit_sum"], modules=["numkit"])
+    tasks = TaskSource(config, seed=4).take(0, 8)
+    assert {t.metadata["function"] for t in tasks} <= {"gcd", "digit_sum"}
+    assert all("numkit.py" in t.files for t in tasks)
 
 
 def test_minimal_edit_makes_the_same_change_with_less_to_copy() -> None:

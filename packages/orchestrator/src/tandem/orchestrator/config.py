@@ -11,6 +11,8 @@ from typing import Literal
 
 import msgspec
 
+from tandem.agent_env.tasks.templates import BY_NAME as TEMPLATES_BY_NAME
+
 
 class ConfigValueError(ValueError):
     """A config value is out of range; the message names the field and the allowed values."""
@@ -68,11 +70,26 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
     functions_per_repo: int = 1
     hidden_per_function: int = 6
+    functions: list[str] = msgspec.field(default_factory=list)
+    """Template functions the bugs are drawn from (empty: all of agent-env's)."""
+    modules: list[str] = msgspec.field(default_factory=list)
+    """Module names the repositories use (empty: all of agent-env's)."""
 
     def __post_init__(self) -> None:
         _require(self.train_seed != self.eval_seed, "eval_seed", "must differ from train_seed")
         _require(bool(self.kinds), "kinds", "must name at least one bug kind")
         _require(self.functions_per_repo >= 1, "functions_per_repo", "must be >= 1")
+        unknown = [f for f in self.functions if f not in TEMPLATES_BY_NAME]
+        _require(
+            not unknown, "functions", f"unknown {unknown}; choose from {sorted(TEMPLATES_BY_NAME)}"
+        )
+        _require(
+            self.functions_per_repo <= (len(set(self.functions)) or len(TEMPLATES_BY_NAME)),
+            "functions_per_repo",
+            "must not exceed the number of functions",
+        )
+        bad = [m for m in self.modules if not m.isidentifier()]
+        _require(not bad, "modules", f"{bad} are not Python identifiers")
 
 
 class EnvSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

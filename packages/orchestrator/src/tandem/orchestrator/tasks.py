@@ -30,6 +30,8 @@ class TaskSource:
             kinds=tuple(c.kinds),
             functions_per_repo=c.functions_per_repo,
             hidden_per_function=c.hidden_per_function,
+            functions=c.functions or None,
+            modules=c.modules or None,
         )[0]
 
     def __getitem__(self, index: int) -> Task:
