@@ -138,3 +138,25 @@ def test_orphans_are_reaped_while_a_command_runs(config: EnvConfig) -> None:
     assert f"ran-{orphans}" in out[2] and "[exit code 0]" in out[2]
     # nothing left but the supervisor (and, in a bwrap sandbox, its init), bash, ls and grep
     assert int(out[1].splitlines()[0]) <= 5 and int(out[3].splitlines()[0]) <= 5
+
+
+def test_commands_reach_the_shell_byte_for_byte(config: EnvConfig) -> None:
+    # ASCII commands go to the shell as they are; others (here with backslash sequences that
+    # printf %b would interpret) are escaped on the way and must arrive unchanged
+    words = ["héllo wörld ✓", r"a\cb", r"\x41\n", "back\\\\slash\\", r"\0101 \u00e9"]
+    quoted = " ".join("'" + w + "'" for w in words)
+    out = run(
+        config,
+        [
+            bash(f"printf '%s|' {quoted}; echo"),
+            bash(r"printf '%s|' 'a\cb' '\x41'; echo"),
+            bash(r"export KEEP='é\x41\\'; mkdir -p 'dïr'; cd 'dïr'"),
+            bash("exit 3"),
+            bash('printf "%s|%s\\n" "$KEEP" "$PWD"'),
+        ],
+    )
+    assert out[0].splitlines()[0] == "|".join(words) + "|"
+    assert out[1].splitlines()[0] == r"a\cb|\x41|"
+    # the restarted shell gets the exported (non-ASCII) value and the directory back
+    assert "a new one will start in /workspace/dïr" in out[3]
+    assert out[4].splitlines()[0] == r"é\x41\\|/workspace/dïr"
