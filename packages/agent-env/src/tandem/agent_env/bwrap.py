@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.locales import LOCALE_DIR
 
 SANDBOX_DIR = Path(__file__).parent / "_sandbox"
 WORKSPACE = "/workspace"
@@ -67,9 +68,17 @@ def sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
 
 
 def base_args(
-    bwrap: str, cfg: SandboxConfig, etc_dir: Path, *, uid: int = UID, allow_userns: bool = False
+    bwrap: str,
+    cfg: SandboxConfig,
+    etc_dir: Path,
+    *,
+    uid: int = UID,
+    allow_userns: bool = False,
+    locale_dir: Path | None = None,
 ) -> list[str]:
     """Arguments common to every sandbox (everything but the workspace and the command).
+
+    ``locale_dir``: shown at /usr/lib/locale instead of the host's (see ``locales.py``).
 
     ``uid`` 0 with ``allow_userns`` (no ``--disable-userns``) is only for the fork server
     (see :func:`forkserver_args`): bwrap then keeps its sandbox in the user namespace that owns
@@ -86,6 +95,8 @@ def base_args(
             args += ["--symlink", os.readlink(host), host]
         elif os.path.isdir(host):
             args += ["--ro-bind", host, host]
+    if locale_dir is not None:
+        args += ["--ro-bind", str(locale_dir), LOCALE_DIR]
     args += ["--ro-bind", str(etc_dir / "passwd"), "/etc/passwd"]
     args += ["--ro-bind", str(etc_dir / "group"), "/etc/group"]
     for f in cfg.etc_files:
@@ -116,7 +127,9 @@ def base_args(
 LAYERS_MOUNT = "/.layers"
 
 
-def forkserver_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path, layers: str) -> list[str]:
+def forkserver_args(
+    bwrap: str, cfg: SandboxConfig, etc_dir: Path, layers: str, locale_dir: Path | None = None
+) -> list[str]:
     """The fork server's sandbox: the strict profile, plus the host's layer directory (at
     :data:`LAYERS_MOUNT`; episodes' upper directories are written through it) and the
     capabilities *inside its own user namespace* that it needs to build a fresh sandbox per
@@ -124,7 +137,7 @@ def forkserver_args(bwrap: str, cfg: SandboxConfig, etc_dir: Path, layers: str) 
     of its own as uid 1000 and drops every capability before it runs untrusted code
     (``_sandbox/forkserver.py``).
     """
-    args = base_args(bwrap, cfg, etc_dir, uid=0, allow_userns=True)
+    args = base_args(bwrap, cfg, etc_dir, uid=0, allow_userns=True, locale_dir=locale_dir)
     args += ["--cap-add", "ALL", "--bind", layers, LAYERS_MOUNT, "--dir", WORKSPACE]
     return [*args, "--remount-ro", "/", "--chdir", "/"]
 

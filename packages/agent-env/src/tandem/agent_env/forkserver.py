@@ -100,7 +100,9 @@ class ForkServer:
             )
             argv = [
                 *rt.mounts.ns_prefix,
-                *bw.forkserver_args(rt.bwrap, rt.config, rt.root / "etc", str(rt.root)),
+                *bw.forkserver_args(
+                    rt.bwrap, rt.config, rt.root / "etc", str(rt.root), rt.locale_dir
+                ),
             ]
             argv += bw.tool_argv(rt.config.python, "forkserver", bw.TOOLS_MOUNT)
             argv.append(str(theirs.fileno()))

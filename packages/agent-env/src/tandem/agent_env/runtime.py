@@ -31,6 +31,7 @@ from tandem.agent_env.cgroups import CgroupManager
 from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.forkserver import ForkServer
+from tandem.agent_env.locales import build_locale_dir, covered_by
 from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.task import Task
 
@@ -75,6 +76,7 @@ class Runtime:
         self._forkservers: dict[asyncio.AbstractEventLoop, ForkServer] = {}
         self._servers_lock = threading.Lock()
         self.bwrap = ""
+        self.locale_dir: Path | None = None  # a locale archive for sandboxes (locales.py)
         try:
             if sandboxed:
                 self.bwrap = bw.find_bwrap(config.bwrap)
@@ -82,12 +84,17 @@ class Runtime:
                 self.cgroups = CgroupManager(config.cgroup_root)
                 self.mounts = MountHelper(sys.executable, str(self.root))
             bw.write_etc(self.root / "etc")
+            if sandboxed and covered_by(config.system_dirs):
+                self.locale_dir = build_locale_dir(self.root / "locale")
             bw.precompile(config.python if sandboxed else sys.executable)
         except BaseException:
             self.close()
             raise
         self.base_argv = (
-            [*self.mounts.ns_prefix, *bw.base_args(self.bwrap, config, self.root / "etc")]
+            [
+                *self.mounts.ns_prefix,
+                *bw.base_args(self.bwrap, config, self.root / "etc", locale_dir=self.locale_dir),
+            ]
             if self.mounts is not None
             else []
         )
