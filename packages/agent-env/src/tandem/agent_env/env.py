@@ -64,7 +64,7 @@ class Env:
         self._t0 = 0.0
         self._restarts = 0
         self._counters = (0, 0)
-        self._call_prefix = secrets.token_hex(5)
+        self._call_prefix = ""  # drawn by reset()
 
     @staticmethod
     def tool_schemas() -> list[dict[str, Any]]:
