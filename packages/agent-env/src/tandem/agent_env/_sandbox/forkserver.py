@@ -26,13 +26,13 @@ host is one JSON job per SOCK_SEQPACKET message on fd ``argv[1]``, carrying the 
 as SCM_RIGHTS.
 """
 
+import _signal as signal  # the enum-free core: jobs touch fewer objects (pages copied)
 import ctypes
 import fcntl
 import gc
 import json  # also loaded warm for the supervisors (the test runner keeps its own codec)
 import os
 import resource
-import signal
 import socket
 import struct
 import sys
