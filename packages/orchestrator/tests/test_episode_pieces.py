@@ -156,7 +156,7 @@ def test_task_source_draws_from_the_configured_family() -> None:
 
 def test_minimal_edit_makes_the_same_change_with_less_to_copy() -> None:
     tasks = generate_tasks(5, 40, functions_per_repo=1)
-    shorter = 0
+    shorter = tighter = 0
     for task in tasks:
         (edit,) = task.reference_edits
         text = task.files[edit.path]
@@ -165,7 +165,13 @@ def test_minimal_edit_makes_the_same_change_with_less_to_copy() -> None:
         assert text.replace(old, new) == text.replace(edit.old, edit.new)
         assert len(old.strip()) >= min(10, len(edit.old.strip()))
         shorter += len(old) < len(edit.old)
+        # A smaller minimum gives a span inside the default one, with the same effect.
+        old4, new4 = minimal_edit(text, edit.old, edit.new, min_chars=4)
+        assert old4 in old and text.count(old4) == 1
+        assert text.replace(old4, new4) == text.replace(edit.old, edit.new)
+        tighter += len(old4) < len(old)
     assert shorter >= len(tasks) // 2
+    assert tighter >= len(tasks) // 4
 
 
 def test_minimal_edit_keeps_an_ambiguous_replacement_as_it_is() -> None:

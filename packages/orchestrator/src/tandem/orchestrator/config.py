@@ -165,6 +165,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", "must be > 0")
+        _require(self.edit_min_chars >= 1, "edit_min_chars", "must be >= 1")
         _require(len(self.betas) == 2, "betas", "must be two numbers")
 
 
@@ -217,6 +218,8 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transcripts (the rest are packed code windows of ``window`` tokens);
     ``transcript_loss``: ``all`` tokens of a transcript or only the ``assistant`` turns.
     ``skip_tools``: read-only calls left out of the transcripts (see `condense`).
+    ``edit_min_chars``: the oracle's edits are narrowed to the shortest unique text around the
+    change that is at least this long (see `minimal_edit`).
     """
 
     steps: int = 300
@@ -230,6 +233,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transcript_fraction: float = 0.75
     transcript_loss: Literal["all", "assistant"] = "all"
     skip_tools: list[str] = msgspec.field(default_factory=lambda: ["list_dir", "run_tests"])
+    edit_min_chars: int = 10
     code_bytes: int = 4_000_000
     log_every: int = 10
 

@@ -73,6 +73,7 @@ def midtrain(
         chat,
         max_observation_chars=env.max_observation_chars,
         skip_tools=mid.skip_tools,
+        edit_min_chars=mid.edit_min_chars,
         cache=run_dir / "cache" / "oracle_transcripts.json",
     )
     transcripts = [(ids, mask) for ids, mask in transcripts if len(ids) <= engine.max_len]

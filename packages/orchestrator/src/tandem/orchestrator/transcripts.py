@@ -100,9 +100,10 @@ def minimal_edit(text: str, old: str, new: str, min_chars: int = 10) -> tuple[st
 class MinimalEditOracle:
     """agent-env's oracle with each `edit` narrowed by `minimal_edit` (the same change)."""
 
-    def __init__(self, tasks: Sequence[Task]) -> None:
+    def __init__(self, tasks: Sequence[Task], min_chars: int = 10) -> None:
         self.oracle = OraclePolicy(tasks)
         self.files = {t.instruction: t.files for t in tasks}
+        self.min_chars = min_chars
 
     async def __call__(self, messages: list[dict[str, Any]]) -> ToolCall:
         call = await self.oracle(messages)
@@ -114,13 +115,15 @@ class MinimalEditOracle:
         if text is None:
             return call
         args["old_string"], args["new_string"] = minimal_edit(
-            text, args["old_string"], args["new_string"]
+            text, args["old_string"], args["new_string"], self.min_chars
         )
         return msgspec.structs.replace(call, arguments=json.dumps(args))
 
 
-async def _play(tasks: Sequence[Task], config: EnvConfig, concurrency: int) -> list[Trajectory]:
-    policy = MinimalEditOracle(tasks)
+async def _play(
+    tasks: Sequence[Task], config: EnvConfig, concurrency: int, edit_min_chars: int
+) -> list[Trajectory]:
+    policy = MinimalEditOracle(tasks, edit_min_chars)
     return await run_episodes(policy, tasks, concurrency=concurrency, config=config)
 
 
@@ -132,6 +135,7 @@ def oracle_transcripts(
     max_observation_chars: int,
     concurrency: int = 32,
     skip_tools: Sequence[str] = (),
+    edit_min_chars: int = 10,
     cache: str | Path | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """Rendered transcripts of the oracle on ``tasks`` (only resolved episodes are kept).
@@ -146,7 +150,7 @@ def oracle_transcripts(
             "obs": max_observation_chars,
             "skip": list(skip_tools),
             "format": chat.VERSION,
-            "oracle": "minimal-edit",
+            "oracle": f"minimal-edit-{edit_min_chars}",
         }
     )
     path = Path(cache) if cache is not None else None
@@ -154,7 +158,7 @@ def oracle_transcripts(
         stored = msgspec.json.decode(path.read_bytes())
         if stored.get("key") == key.decode():
             return [(ids, mask) for ids, mask in stored["items"]]
-    trajectories = asyncio.run(_play(tasks, config, concurrency))
+    trajectories = asyncio.run(_play(tasks, config, concurrency, edit_min_chars))
     kept = [t for t in trajectories if t.resolved]
     if len(kept) < len(trajectories):
         log.warning("midtrain.oracle_failures", failed=len(trajectories) - len(kept))
