@@ -165,7 +165,6 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", "must be > 0")
-        _require(self.edit_min_chars >= 1, "edit_min_chars", "must be >= 1")
         _require(len(self.betas) == 2, "betas", "must be two numbers")
 
 
@@ -242,3 +241,4 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.batch_size >= 1, "batch_size", "must be >= 1")
         _require(0 <= self.transcript_fraction <= 1, "transcript_fraction", "must be in [0, 1]")
         _require(self.lr > 0, "lr", "must be > 0")
+        _require(self.edit_min_chars >= 1, "edit_min_chars", "must be >= 1")
