@@ -19,7 +19,9 @@ from tandem.agent_env import (
     submit_at_once,
 )
 from tandem.agent_env.tasks import execute
+from tandem.agent_env.tasks.generate import MODULE_NAMES
 from tandem.agent_env.tasks.mutate import BUG_KINDS
+from tandem.agent_env.tasks.templates import TEMPLATES
 
 
 def test_seed_to_task_mapping_is_deterministic_and_prefix_stable() -> None:
@@ -108,10 +110,15 @@ def test_task_family_can_be_narrowed_to_functions_and_modules() -> None:
         defined = {n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
         assert len(defined) == 2 and defined <= set(funcs)
     assert {t.metadata["function"] for t in tasks} == set(funcs)
-    # The defaults are unchanged by the new options: the same seed gives the same tasks.
-    assert msgspec.json.encode(generate_tasks(3, 3)) == msgspec.json.encode(
-        generate_tasks(3, 3, functions=None, modules=None)
+    # Naming every function (in any order) and every module gives the default family, task
+    # for task: the pool keeps the templates' own order, so the seeded draws are the same.
+    everything = generate_tasks(
+        3,
+        4,
+        functions=[t.name for t in reversed(TEMPLATES)],
+        modules=list(MODULE_NAMES),
     )
+    assert msgspec.json.encode(everything) == msgspec.json.encode(generate_tasks(3, 4))
 
 
 @pytest.mark.parametrize(

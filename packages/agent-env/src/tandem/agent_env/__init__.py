@@ -13,7 +13,7 @@ from tandem.agent_env.grading import GradeResult
 from tandem.agent_env.oracle import OraclePolicy, oracle_script, submit_at_once
 from tandem.agent_env.rollout import Policy, run_episode, run_episodes
 from tandem.agent_env.task import HiddenTests, ReferenceEdit, Task, TaskLimits
-from tandem.agent_env.tasks.generate import generate_tasks
+from tandem.agent_env.tasks.generate import check_task_family, generate_tasks
 from tandem.agent_env.tasks.stdlib import stdlib_tasks
 from tandem.agent_env.tasks.swebench import load_tasks
 from tandem.agent_env.tools import ToolCall, tool_schemas
@@ -47,6 +47,7 @@ __all__ = [
     "TaskLimits",
     "ToolCall",
     "Trajectory",
+    "check_task_family",
     "generate_tasks",
     "load_tasks",
     "oracle_script",

@@ -11,7 +11,7 @@ from typing import Literal
 
 import msgspec
 
-from tandem.agent_env.tasks.templates import BY_NAME as TEMPLATES_BY_NAME
+from tandem.agent_env import SandboxError, check_task_family
 
 
 class ConfigValueError(ValueError):
@@ -77,19 +77,10 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _require(self.train_seed != self.eval_seed, "eval_seed", "must differ from train_seed")
-        _require(bool(self.kinds), "kinds", "must name at least one bug kind")
-        _require(self.functions_per_repo >= 1, "functions_per_repo", "must be >= 1")
-        unknown = [f for f in self.functions if f not in TEMPLATES_BY_NAME]
-        _require(
-            not unknown, "functions", f"unknown {unknown}; choose from {sorted(TEMPLATES_BY_NAME)}"
-        )
-        _require(
-            self.functions_per_repo <= (len(set(self.functions)) or len(TEMPLATES_BY_NAME)),
-            "functions_per_repo",
-            "must not exceed the number of functions",
-        )
-        bad = [m for m in self.modules if not m.isidentifier()]
-        _require(not bad, "modules", f"{bad} are not Python identifiers")
+        try:
+            check_task_family(self.kinds, self.functions_per_repo, self.functions, self.modules)
+        except SandboxError as e:
+            raise ConfigValueError(str(e)) from None
 
 
 class EnvSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

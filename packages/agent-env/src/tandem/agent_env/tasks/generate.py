@@ -228,13 +228,37 @@ def _assemble(
 
 
 def _pick(templates: Sequence[Template], names: Sequence[str] | None) -> list[Template]:
+    """The named templates in their own order (so the order of ``names`` changes nothing)."""
     if not names:
         return list(templates)
     by_name = {t.name: t for t in templates}
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise SandboxError(f"unknown template functions {unknown}; choose from {sorted(by_name)}")
-    return [by_name[n] for n in dict.fromkeys(names)]
+        raise SandboxError(f"functions: unknown {unknown}; choose from {sorted(by_name)}")
+    wanted = set(names)
+    return [t for t in templates if t.name in wanted]
+
+
+def check_task_family(
+    kinds: Sequence[str],
+    functions_per_repo: int,
+    functions: Sequence[str] | None = None,
+    modules: Sequence[str] | None = None,
+) -> None:
+    """Raise `SandboxError`, naming the argument, when these settings cannot generate tasks.
+
+    Callers that take the settings from a config check them here at start (the message begins
+    with the argument's name) instead of on the first task.
+    """
+    bad = [k for k in kinds if k not in mutate.BUG_KINDS]
+    if bad or not kinds:
+        raise SandboxError(f"kinds: unknown bug kinds {bad}; choose from {mutate.BUG_KINDS}")
+    pool = _pick(TEMPLATES, functions)
+    if not 1 <= functions_per_repo <= len(pool):
+        raise SandboxError(f"functions_per_repo: must be in 1..{len(pool)}")
+    bad_modules = [m for m in modules or () if not m.isidentifier()]
+    if bad_modules:
+        raise SandboxError(f"modules: {bad_modules} are not Python identifiers")
 
 
 def generate_tasks(
@@ -255,15 +279,7 @@ def generate_tasks(
     task family (the template functions and module names drawn from; default: all), e.g. for
     a curriculum or a small model's demo.
     """
-    bad = [k for k in kinds if k not in mutate.BUG_KINDS]
-    if bad or not kinds:
-        raise SandboxError(f"unknown bug kinds {bad}; choose from {mutate.BUG_KINDS}")
-    pool = _pick(TEMPLATES, functions)
-    if not 1 <= functions_per_repo <= len(pool):
-        raise SandboxError(f"functions_per_repo must be in 1..{len(pool)}")
-    bad_modules = [m for m in modules or () if not m.isidentifier()]
-    if bad_modules:
-        raise SandboxError(f"module names must be Python identifiers, got {bad_modules}")
+    check_task_family(kinds, functions_per_repo, functions, modules)
     return [
         generate_task(
             seed,
