@@ -73,6 +73,25 @@ def test_far_behind_reader_takes_anchor_plus_one_catch_up_delta(local_store, tra
     assert report.version == 12
 
 
+def test_stream_without_catch_up_deltas_is_pulled_through_step_deltas(
+    local_store, trainer, same_bits
+) -> None:
+    pub = Publisher(local_store, anchor_every=4, catchup=False, **SMALL)
+    history = {v: trainer.step() for v in range(7)}
+    for v, state in history.items():
+        pub.publish(v, state)
+    # every version carries only its step delta (and the anchors their full payload)
+    assert Subscriber(local_store).manifest(6).bases() == {5}
+    fresh = Subscriber(local_store, version=None).prepare()
+    assert fresh.path == [(4, None), (5, 4), (6, 5)]
+    same_bits(Subscriber(local_store).materialize(6), history[6])
+    same_bits(Subscriber(local_store).materialize(2), history[2])
+    behind = Subscriber(local_store, version=3)
+    state = {k: a.copy() for k, a in history[3].items()}
+    assert behind.pull(state).version == 6
+    same_bits(state, history[6])
+
+
 def test_catch_up_delta_is_smaller_than_the_chain_it_replaces(local_store, trainer) -> None:
     pub = Publisher(local_store, anchor_every=100, **SMALL)
     reports = [pub.publish(v, trainer.step()) for v in range(6)]

@@ -170,13 +170,7 @@ class Subscriber:
 
     def plan(self, target: int, from_version: int | None) -> list[Step]:
         """The cheapest sequence of payloads (in bytes) from `from_version` to `target`."""
-        m = self.manifest(target)
-        if m.anchor_version == target:
-            best, best_cost = [(target, None)], m.payload_bytes(None)
-        else:
-            anchor = self.manifest(m.anchor_version)
-            best = [(m.anchor_version, None), (target, m.anchor_version)]
-            best_cost = anchor.payload_bytes(None) + m.payload_bytes(m.anchor_version)
+        best, best_cost = self._plan_from_anchor(target)
         if from_version is None:
             return best
         steps: list[Step] = []
@@ -197,6 +191,32 @@ class Subscriber:
             steps.append((v, prev))
             v = prev
         return best
+
+    def _plan_from_anchor(self, target: int) -> tuple[list[Step], int]:
+        """(path, bytes) from nothing: the anchor, then its catch-up delta to `target`, or,
+        for a stream published without catch-up deltas, the step deltas after the anchor."""
+        m = self.manifest(target)
+        if m.anchor_version == target:
+            return [(target, None)], m.payload_bytes(None)
+        cost = self.manifest(m.anchor_version).payload_bytes(None)
+        if m.anchor_version in m.bases():
+            return [(m.anchor_version, None), (target, m.anchor_version)], cost + m.payload_bytes(
+                m.anchor_version
+            )
+        steps: list[Step] = []
+        v = target
+        while v != m.anchor_version:
+            mv = self.manifest(v)
+            prev = max((b for b in mv.bases() if b is not None and b < v), default=None)
+            if prev is None or prev < m.anchor_version:
+                raise IntegrityError(
+                    f"version {target}: no path from its anchor {m.anchor_version} (version {v} "
+                    "has neither a catch-up delta nor a step delta after the anchor)"
+                )
+            cost += mv.payload_bytes(prev)
+            steps.append((v, prev))
+            v = prev
+        return [(m.anchor_version, None), *reversed(steps)], cost
 
     def clear_cache(self) -> None:
         self._shards.clear()
