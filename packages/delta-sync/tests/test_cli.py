@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import ml_dtypes
 import numpy as np
@@ -65,7 +67,8 @@ def test_publish_inspect_pull(tmp_path, capsys, same_bits) -> None:
     assert "strictly increase" in capsys.readouterr().err
 
 
-def test_serve_subcommand_serves_a_store_read_only(tmp_path, same_bits) -> None:
+@pytest.mark.parametrize("command", ["serve", "relay"])
+def test_serve_and_relay_subcommands_serve_a_store_read_only(command, tmp_path, same_bits) -> None:
     rng = np.random.default_rng(2)
     root = tmp_path / "store"
     safetensors_io.save(tmp_path / "v0.safetensors", s0 := _state(rng))
@@ -74,7 +77,8 @@ def test_serve_subcommand_serves_a_store_read_only(tmp_path, same_bits) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.delta_sync.cli", "serve", str(root), "--port", str(port)],
+        [sys.executable, "-m", "tandem.delta_sync.cli", command, str(root), "--port", str(port)]
+        + (["--cache", str(tmp_path / "cache")] if command == "relay" else []),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -90,6 +94,12 @@ def test_serve_subcommand_serves_a_store_read_only(tmp_path, same_bits) -> None:
                 assert time.monotonic() < deadline, "server did not come up"
                 time.sleep(0.2)
         same_bits(Subscriber(store).materialize(), s0)
+        if command == "relay":  # what the relay fetched, it keeps
+            cached = Subscriber(LocalStore(tmp_path / "cache"))
+            same_bits(cached.materialize(cached.latest() or 0), s0)
+        put = urllib.request.Request(f"{store.base_url}/latest", data=b"{}", method="PUT")
+        with pytest.raises(urllib.error.HTTPError, match="405"):
+            urllib.request.urlopen(put, timeout=5)
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -25,7 +25,14 @@ from tandem.delta_sync.errors import (
 from tandem.delta_sync.manifest import Manifest
 from tandem.delta_sync.publisher import Publisher
 from tandem.delta_sync.reports import PayloadReport, PublishReport, PullReport
-from tandem.delta_sync.stores import HttpStore, LocalStore, S3Store, Store, open_store
+from tandem.delta_sync.stores import (
+    HttpStore,
+    LocalStore,
+    RelayStore,
+    S3Store,
+    Store,
+    open_store,
+)
 from tandem.delta_sync.subscriber import Prepared, Subscriber
 
 __version__ = _version("tandem-delta-sync")
@@ -43,6 +50,7 @@ __all__ = [
     "PublishReport",
     "Publisher",
     "PullReport",
+    "RelayStore",
     "S3Store",
     "Store",
     "StoreError",

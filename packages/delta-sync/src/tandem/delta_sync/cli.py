@@ -1,10 +1,11 @@
-"""`delta-sync`: publish, pull, inspect, serve and bench from the command line.
+"""`delta-sync`: publish, pull, inspect, serve, relay and bench from the command line.
 
     delta-sync publish STORE model.safetensors --version 7
     delta-sync pull STORE --out model.safetensors          # rebuild the latest version
     delta-sync pull s3://bucket/run --mirror /srv/relay    # copy it into a relay directory
     delta-sync inspect STORE [--version 7] [--json]
     delta-sync serve /srv/relay --port 8080                # read-only HTTP for a directory
+    delta-sync relay s3://bucket/run --cache /srv/cache    # per-region read-through cache
     delta-sync bench --mb 256
 
 STORE is a directory, file://DIR, s3://BUCKET/PREFIX or http(s)://HOST/PATH.
@@ -36,7 +37,7 @@ from tandem.delta_sync import safetensors_io
 from tandem.delta_sync.errors import DeltaSyncError
 from tandem.delta_sync.manifest import LATEST_KEY, manifest_key
 from tandem.delta_sync.parallel import default_workers
-from tandem.delta_sync.stores import open_store
+from tandem.delta_sync.stores import LocalStore, open_store
 from tandem.delta_sync.subscriber import Subscriber
 
 console = Console(stderr=True)
@@ -178,6 +179,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_relay(args: argparse.Namespace) -> int:
+    from tandem.delta_sync.server import StoreServer
+    from tandem.delta_sync.stores.relay import RelayStore
+
+    relay = RelayStore(open_store(args.origin), LocalStore(args.cache), latest_ttl=args.latest_ttl)
+    server = StoreServer(relay, args.host, args.port)
+    console.print(f"relaying {relay.describe()} read-only at {server.url}")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.httpd.server_close()
+        console.print(f"relay: {relay.stats}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tandem.delta_sync import bench
 
@@ -230,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
     srv.set_defaults(fn=cmd_serve)
+
+    rel = sub.add_parser(
+        "relay", help="serve a remote store over HTTP, fetching each object once into a cache"
+    )
+    rel.add_argument("origin", help="the store the trainer publishes to (s3://, http://, a path)")
+    rel.add_argument("--cache", required=True, help="directory for the relay's copies")
+    rel.add_argument("--latest-ttl", type=float, default=1.0, help="seconds to hold `latest`")
+    rel.add_argument("--host", default="127.0.0.1")
+    rel.add_argument("--port", type=int, default=8080)
+    rel.set_defaults(fn=cmd_relay)
 
     b = sub.add_parser("bench", help="measure ratios and throughput on Adam-made deltas")
     b.add_argument("--mb", type=int, default=256, help="dense bf16 megabytes of the state")

@@ -1,8 +1,9 @@
-"""A read-only HTTP server for a LocalStore directory (`delta-sync serve ROOT`).
+"""A read-only HTTP server for a store (`delta-sync serve ROOT`, `delta-sync relay ORIGIN`).
 
-Run one next to each inference cluster on a mirror of the origin store (a per-region
-relay), or in front of a shared filesystem. Only GET and HEAD of valid store keys are
-served; anything else is refused.
+Run one next to each inference cluster: on a mirror of the origin store, in front of a
+shared filesystem, or on a RelayStore that fetches from the origin on demand and caches
+(a per-region relay). Only GET and HEAD of valid store keys are served; anything else is
+refused. An origin that fails behind a relay answers 502, which HttpStore retries.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import structlog
 
-from tandem.delta_sync.errors import StoreError
-from tandem.delta_sync.stores.base import check_key
+from tandem.delta_sync.errors import DeltaSyncError, NotFoundError, StoreError
+from tandem.delta_sync.stores.base import Store, check_key
+from tandem.delta_sync.stores.local import LocalStore
 
 log = structlog.get_logger()
 
@@ -25,36 +27,58 @@ log = structlog.get_logger()
 class _Handler(BaseHTTPRequestHandler):
     server_version = "delta-sync"
     protocol_version = "HTTP/1.1"
-    root: Path
+    store: Store
 
-    def _resolve(self) -> Path | None:
+    def _key(self) -> str | None:
         key = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path.lstrip("/"))
         try:
-            check_key(key)
+            return check_key(key)
         except StoreError:
             return None
-        path = self.root / key
-        return path if path.is_file() else None
 
-    def _head(self) -> Path | None:
-        path = self._resolve()
-        if path is None:
+    def _send(self, key: str | None, body: bool) -> None:
+        if key is None:
             self.send_error(HTTPStatus.NOT_FOUND)
-            return None
+            return
+        if isinstance(self.store, LocalStore):  # stream files, no copy in memory
+            path = self.store.path(key)
+            if not path.is_file():
+                self.send_error(HTTPStatus.NOT_FOUND)
+                return
+            self._headers(path.stat().st_size)
+            if body:
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, self.wfile, 1 << 20)
+            return
+        try:
+            if not body:
+                if not self.store.exists(key):
+                    raise NotFoundError(key)
+                self._headers(None)
+                return
+            data = self.store.get(key)
+        except NotFoundError:
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return
+        except DeltaSyncError as e:  # the origin behind a relay is down or sent garbage
+            log.warning("delta_sync.serve_error", key=key, error=str(e))
+            self.send_error(HTTPStatus.BAD_GATEWAY, explain=str(e))
+            return
+        self._headers(len(data))
+        self.wfile.write(data)
+
+    def _headers(self, length: int | None) -> None:
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(path.stat().st_size))
+        if length is not None:
+            self.send_header("Content-Length", str(length))
         self.end_headers()
-        return path
 
     def do_HEAD(self) -> None:
-        self._head()
+        self._send(self._key(), body=False)
 
     def do_GET(self) -> None:
-        path = self._head()
-        if path is not None:
-            with open(path, "rb") as f:
-                shutil.copyfileobj(f, self.wfile, 1 << 20)
+        self._send(self._key(), body=True)
 
     def _refuse(self) -> None:
         self.send_error(HTTPStatus.METHOD_NOT_ALLOWED, "read-only store")
@@ -66,13 +90,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class StoreServer:
-    """Serve `root` on host:port (port 0 picks a free one) from a background thread."""
+    """Serve a store directory, or any Store (e.g. a RelayStore), read-only on host:port
+    (port 0 picks a free one), from a background thread or in the foreground."""
 
-    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
-        root = Path(root)
-        if not root.is_dir():
-            raise StoreError(f"cannot serve {root}: not a directory")
-        handler = type("Handler", (_Handler,), {"root": root.resolve()})
+    def __init__(self, source: str | Path | Store, host: str = "127.0.0.1", port: int = 0) -> None:
+        if not isinstance(source, Store):
+            root = Path(source)
+            if not root.is_dir():
+                raise StoreError(f"cannot serve {root}: not a directory")
+            source = LocalStore(root.resolve())
+        self.store = source
+        handler = type("Handler", (_Handler,), {"store": source})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None

@@ -3,6 +3,7 @@
 from tandem.delta_sync.stores.base import Store
 from tandem.delta_sync.stores.http import HttpStore
 from tandem.delta_sync.stores.local import LocalStore
+from tandem.delta_sync.stores.relay import RelayStats, RelayStore
 from tandem.delta_sync.stores.s3 import S3Store
 
 
@@ -16,4 +17,12 @@ def open_store(url: str, **kwargs) -> Store:
     return LocalStore(url.removeprefix("file://"), **kwargs)
 
 
-__all__ = ["HttpStore", "LocalStore", "S3Store", "Store", "open_store"]
+__all__ = [
+    "HttpStore",
+    "LocalStore",
+    "RelayStats",
+    "RelayStore",
+    "S3Store",
+    "Store",
+    "open_store",
+]

@@ -1,0 +1,133 @@
+"""A read-through cache in front of an origin store: one per region, so a region downloads
+each object of a version once however many engines pull it.
+
+Everything a publisher writes is immutable except `latest`: shards are content-addressed,
+and a version's manifest is never rewritten (publishing an existing version is an error).
+So shards and manifests are fetched from the origin on the first request, verified,
+written to the cache and served from it ever after; concurrent requests for the same
+object wait for the one fetch in flight. `latest` is passed through, or held for
+`latest_ttl` seconds so that a region's engines polling together cost one origin request.
+
+Serve it over HTTP with `StoreServer(RelayStore(...))` (`delta-sync relay`), and point the
+region's engines at it with `HttpStore`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import msgspec
+
+from tandem.delta_sync.container import shard_digest
+from tandem.delta_sync.errors import IntegrityError, NotFoundError
+from tandem.delta_sync.manifest import LATEST_KEY, decode_manifest
+from tandem.delta_sync.stores.base import Store, check_key
+
+_MANIFEST = re.compile(r"^versions/(\d+)/manifest\.json$")
+
+
+class RelayStats(msgspec.Struct):
+    """What the relay took from the origin and what it served from its cache."""
+
+    origin_gets: int = 0
+    origin_bytes: int = 0
+    cache_hits: int = 0
+    latest_gets: int = 0
+
+
+class RelayStore(Store):
+    """Read-only: `get` and `exists` of `origin`, immutable objects kept in `cache`."""
+
+    read_only = True
+
+    def __init__(self, origin: Store, cache: Store, *, latest_ttl: float = 0.0) -> None:
+        if cache.read_only:
+            raise ValueError(f"the relay's cache must be writable, got {cache.describe()}")
+        if latest_ttl < 0:
+            raise ValueError(f"latest_ttl must be >= 0 seconds, got {latest_ttl}")
+        self.origin = origin
+        self.cache = cache
+        self.latest_ttl = latest_ttl
+        self.stats = RelayStats()
+        self._lock = threading.Lock()
+        self._fetching: dict[str, threading.Lock] = {}
+        self._latest: tuple[float, bytes] | None = None
+
+    def describe(self) -> str:
+        return f"relay of {self.origin.describe()} (cache {self.cache.describe()})"
+
+    def get(self, key: str) -> bytes:
+        check_key(key)
+        if key == LATEST_KEY:
+            return self._get_latest()
+        try:
+            data = self.cache.get(key)
+        except NotFoundError:
+            return self._fetch(key)
+        with self._lock:
+            self.stats.cache_hits += 1
+        return data
+
+    def exists(self, key: str) -> bool:
+        check_key(key)
+        if key != LATEST_KEY and self.cache.exists(key):
+            return True
+        return self.origin.exists(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        raise self._read_only_error(key)
+
+    def _get_latest(self) -> bytes:
+        now = time.monotonic()
+        with self._lock:
+            held = self._latest
+        if held is not None and now - held[0] < self.latest_ttl:
+            return held[1]
+        data = self.origin.get(LATEST_KEY)
+        with self._lock:
+            self._latest = (now, data)
+            self.stats.latest_gets += 1
+        return data
+
+    def _fetch(self, key: str) -> bytes:
+        """Fetch `key` from the origin once, however many threads ask for it at a time."""
+        with self._lock:
+            gate = self._fetching.setdefault(key, threading.Lock())
+        with gate:
+            try:
+                try:  # a thread that waited on the gate finds it fetched
+                    data = self.cache.get(key)
+                except NotFoundError:
+                    pass
+                else:
+                    with self._lock:
+                        self.stats.cache_hits += 1
+                    return data
+                data = self.origin.get(key)
+                with self._lock:
+                    self.stats.origin_gets += 1
+                    self.stats.origin_bytes += len(data)
+                _verify(key, data, self.origin)
+                self.cache.put(key, data)
+                return data
+            finally:
+                with self._lock:
+                    self._fetching.pop(key, None)
+
+
+def _verify(key: str, data: bytes, origin: Store) -> None:
+    """A shard's key is its xxh3-128 and a manifest names its version: a corrupt copy is
+    refused, never cached."""
+    version = _MANIFEST.match(key)
+    if version is not None:
+        decode_manifest(data, int(version.group(1)))
+    elif key.startswith("shards/") and key.endswith(".tds"):
+        expected = key.rsplit("/", 1)[1].removesuffix(".tds")
+        actual = shard_digest(data)
+        if actual != expected:
+            raise IntegrityError(
+                f"{key} from {origin.describe()} has digest {actual}: corrupt in the origin or "
+                "in transit; not cached"
+            )
