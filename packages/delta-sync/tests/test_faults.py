@@ -11,6 +11,7 @@ import pytest
 
 from tandem.delta_sync import (
     BaseMismatchError,
+    DeltaSyncError,
     IntegrityError,
     LocalStore,
     NotFoundError,
@@ -261,3 +262,32 @@ def test_store_errors_name_the_location(tmp_path) -> None:
     with pytest.raises(StoreError, match="invalid store key"):
         store.get("../etc/passwd")
     assert np.isfinite(1.0)
+
+
+def test_a_second_publisher_on_the_stream_is_refused(local_store, trainer, same_bits) -> None:
+    a = Publisher(local_store, **OPTS)
+    a.publish(0, trainer.step())
+    theirs = trainer.step()
+    Publisher(local_store, **OPTS).publish(1, theirs)  # resumes from version 0: allowed
+    with pytest.raises(DeltaSyncError, match=r"latest version is 1 .* another publisher"):
+        a.publish(2, trainer.step())  # a still believes version 0 is the latest
+    # nothing of a's attempt was committed: the stream is the other publisher's
+    assert Subscriber(local_store).latest() == 1
+    same_bits(Subscriber(local_store).materialize(), theirs)
+    mine = trainer.step()
+    a.publish(2, mine)  # a rebuilt its base from the store, so it continues the stream
+    same_bits(Subscriber(local_store).materialize(), mine)
+
+
+def test_publishing_an_existing_version_is_refused(local_store, trainer, same_bits) -> None:
+    pub = Publisher(local_store, **OPTS)
+    pub.publish(0, trainer.step())
+    v1 = trainer.step()
+    pub.publish(1, v1)
+    # a publisher killed after its manifest but before `latest`: version 1 exists, latest is 0
+    local_store.put(LATEST_KEY, local_store.get(LATEST_KEY).replace(b'"version":1', b'"version":0'))
+    assert Subscriber(local_store).latest() == 0
+    fresh = Publisher(local_store, **OPTS)
+    with pytest.raises(DeltaSyncError, match="version 1 already exists"):
+        fresh.publish(1, trainer.step())
+    same_bits(Subscriber(local_store).materialize(1), v1)  # untouched

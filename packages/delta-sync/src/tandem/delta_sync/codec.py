@@ -206,7 +206,6 @@ class _ScanBuffers:
         self.limit = limit
         self.gaps = np.empty(limit + 1, np.uint32)
         self.vals = np.empty(limit + 1, uint)
-        self.olds = np.empty(limit + 1, uint)
         self.packed = np.empty(limit // 4 + 1, np.uint8)
         self.vesc = np.empty(limit + 1, uint)
         self.hesc = np.empty(limit + 1, np.uint32)
@@ -241,8 +240,8 @@ def encode_sparse_scan(
 
     limit = sparse_limit(new.size)
     b = _scan_buffers(limit, new.itemsize)
-    dst = old if advance else b.olds[:1]  # written only when advancing
-    k, gmax = kernels.sparse_scan(new, old, dst, limit, advance, b.gaps, b.vals, b.olds)
+    scan = kernels.sparse_scan_advance if advance else kernels.sparse_scan
+    k, gmax = scan(new, old, limit, b.gaps, b.vals)
     if k <= 0:
         return None, k
     cctx = _cctx(level)

@@ -38,22 +38,33 @@ def _cttz(typingctx, x):
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True)
-def sparse_scan(new, old, dst, limit, advance, gaps, vals, olds):
+@intrinsic
+def _ctpop(typingctx, x):
+    """Number of set bits of a uint64 (one instruction: popcnt)."""
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scan(new, old, limit, gaps, vals, advance):
     """Find the changed elements of a chunk: their gaps and zig-zagged differences.
 
     new, old: the chunk's bit patterns (same unsigned dtype). For the j-th changed element:
     gaps[j] = elements skipped since the previous change, vals[j] = zigzag(new - old) - 1
-    (>= 0: a changed element has a nonzero difference). With `advance`, dst (old itself,
-    passed again so that a read-only old compiles when not advancing) becomes new there
-    (olds[j] keeps the overwritten pattern). gaps, vals and olds hold limit + 1.
+    (>= 0: a changed element has a nonzero difference). With `advance` (a constant in each
+    compiled variant), old becomes new wherever it changed. gaps and vals hold limit + 1.
 
     The chunk is compared 64 elements at a time into a bit mask whose set bits are then
-    visited, so unchanged stretches cost a vector compare and no mispredicted branch.
-    Indices are unsigned so that no negative-index handling is compiled in.
+    visited, so unchanged stretches cost a vector compare and no mispredicted branch; the
+    limit is checked once per block, with a popcount. Indices are unsigned so that no
+    negative-index handling is compiled in.
 
-    Returns (k, largest gap); k == -1 when more than `limit` elements changed, and then
-    dst is left exactly as it was.
+    Returns (k, largest gap); k == -1 when more than `limit` elements changed, and then old
+    is left exactly as it was (what was advanced is put back: old = new - difference).
     """
     n = np.uint64(new.size)
     bits = np.uint64(new.itemsize * 8)
@@ -75,29 +86,43 @@ def sparse_scan(new, old, dst, limit, advance, gaps, vals, olds):
             for j in range(n - base):
                 u = np.uint64(j)
                 m |= np.uint64(new[base + u] != old[base + u]) << u
+        if k + _ctpop(m) > lim:
+            if advance:
+                pos = _ZERO
+                for j in range(k):
+                    pos += np.uint64(gaps[j])
+                    zz = np.uint64(vals[j]) + _ONE
+                    d = ((zz >> _ONE) ^ (_ZERO - (zz & _ONE))) & mask
+                    old[pos] = (np.uint64(new[pos]) - d) & mask
+                    pos += _ONE
+            return -1, 0
         while m:
             i = base + _cttz(m)
             m &= m - _ONE
-            if k >= lim:
-                if advance:  # put back what was advanced, so the caller can fall back
-                    pos = _ZERO
-                    for j in range(k):
-                        pos += np.uint64(gaps[j])
-                        dst[pos] = olds[j]
-                        pos += _ONE
-                return -1, 0
             gap = i - nxt
             nxt = i + _ONE
             gmax = max(gmax, gap)
             gaps[k] = gap
-            d = (np.uint64(new[i]) - np.uint64(old[i])) & mask
+            a = np.uint64(new[i])
+            d = (a - np.uint64(old[i])) & mask
             zz = ((d << _ONE) & mask) ^ ((_ZERO - ((d >> top) & _ONE)) & mask)
             vals[k] = zz - _ONE
             if advance:
-                olds[k] = old[i]
-                dst[i] = new[i]
+                old[i] = a
             k += _ONE
     return np.int64(k), np.int64(gmax)
+
+
+@numba.njit(nogil=True, cache=True)
+def sparse_scan(new, old, limit, gaps, vals):
+    """_scan of new against old, which is only read (it may be a read-only array)."""
+    return _scan(new, old, limit, gaps, vals, False)
+
+
+@numba.njit(nogil=True, cache=True)
+def sparse_scan_advance(new, old, limit, gaps, vals):
+    """_scan of new against old, turning old into new where it changed."""
+    return _scan(new, old, limit, gaps, vals, True)
 
 
 @numba.njit(nogil=True, cache=True)

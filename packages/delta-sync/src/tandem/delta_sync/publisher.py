@@ -148,22 +148,20 @@ class Publisher:
         if not isinstance(version, int) or version < 0:
             raise DeltaSyncError(f"version must be a non-negative int, got {version!r}")
         views = views_of(state)
-        if not self._resumed:
+        first = not self._resumed
+        if first:
             self._resume()
-        latest = read_latest(self.store)
         last = None if self._prev_manifest is None else self._prev_manifest.version
-        if latest is not None and latest.version != last:
-            raise DeltaSyncError(
-                f"the store's latest version is {latest.version} but this publisher last "
-                f"published {last}: another publisher is writing to {self.store.describe()}"
-            )
         if last is not None and version <= last:
             raise DeltaSyncError(
                 f"cannot publish version {version}: version {last} is already published "
                 "(versions must strictly increase)"
             )
-        if self.store.exists(manifest_key(version)):
-            raise DeltaSyncError(f"version {version} already exists in {self.store.describe()}")
+        # The store is checked (two round trips to an object store) while the version
+        # encodes; nothing is committed before the check has passed.
+        store_check = self._io.get().submit(self._check_store, version, last)
+        if first:
+            store_check.result()  # a new publisher fails before doing any work
 
         prev, anchor = self._prev_manifest, self._anchor_manifest
         is_anchor = prev is None or anchor is None or version - anchor.version >= self.anchor_every
@@ -200,6 +198,7 @@ class Publisher:
                     digests = stats_digests
                 payloads.append(payload)
                 reports.append(report)
+            store_check.result()
         except BaseException:
             if self._prev is not None:  # partly advanced: rebuild it from the store next time
                 self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
@@ -248,6 +247,17 @@ class Publisher:
             seconds=round(report.seconds, 3),
         )
         return report
+
+    def _check_store(self, version: int, last: int | None) -> None:
+        """Refuse to publish over another publisher's stream or an existing version."""
+        latest = read_latest(self.store)
+        if latest is not None and latest.version != last:
+            raise DeltaSyncError(
+                f"the store's latest version is {latest.version} but this publisher last "
+                f"published {last}: another publisher is writing to {self.store.describe()}"
+            )
+        if self.store.exists(manifest_key(version)):
+            raise DeltaSyncError(f"version {version} already exists in {self.store.describe()}")
 
     def _publish_payload(
         self,
