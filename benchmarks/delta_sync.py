@@ -219,7 +219,7 @@ def main() -> None:
     print(
         "ratio = dense bf16 bytes / compressed bytes; bound = order-0 entropy of the delta "
         "(changed-mask entropy + entropy of bit-pattern differences); delta/full s = publish "
-        "then pull, delta vs full snapshot, through the same store."
+        "then pull, delta vs full snapshot, through the same store (best of --repeat runs)."
     )
 
 
