@@ -291,3 +291,35 @@ def test_publishing_an_existing_version_is_refused(local_store, trainer, same_bi
     with pytest.raises(DeltaSyncError, match="version 1 already exists"):
         fresh.publish(1, trainer.step())
     same_bits(Subscriber(local_store).materialize(1), v1)  # untouched
+
+
+class FailingCommit(CountingStore):
+    """Once armed, the next manifest write fails: the shards are up, the commit is not."""
+
+    armed = False
+
+    def put(self, key: str, data: bytes) -> None:
+        if key.endswith("manifest.json") and self.armed:
+            self.armed = False
+            raise StoreError("connection reset by peer")
+        super().put(key, data)
+
+
+def test_failed_commit_then_publish_again(local_store, trainer, same_bits) -> None:
+    store = FailingCommit(local_store)
+    pub = Publisher(store, **OPTS)
+    v0 = trainer.step()
+    engine = {k: a.copy() for k, a in v0.items()}
+    pub.publish(0, v0)
+    sub = Subscriber(local_store, version=0)
+    v1 = trainer.step(LR)
+    store.armed = True
+    with pytest.raises(StoreError, match="version 1: the shards are uploaded but the commit"):
+        pub.publish(1, v1)
+    assert sub.latest() == 0
+    uploaded = len(store.puts)
+    report = pub.publish(1, v1)  # the same publisher finishes the version
+    assert report.payloads[0].uploaded == 0  # every shard was already there
+    assert len(store.puts) == uploaded
+    assert sub.pull(engine).version == 1
+    same_bits(engine, v1)

@@ -1,8 +1,8 @@
 """The manifest: the commit record of one published version, written after all its shards.
 
-A version is made of one or more independently published *parts* (today a single part;
-with per-rank publishing, one part per trainer rank, each listing its own tensors). Each
-part offers one or more *payloads* that produce the version from a given base:
+A version is made of one or more independently published *parts* (one, or with per-rank
+publishing one per trainer rank, each listing its own tensors; see `group`). Each part
+offers one or more *payloads* that produce the version from a given base:
 
 * ``full``   : every chunk raw (an anchor; needs no base),
 * ``delta``  : changes against ``base_version`` (the previous version: the step delta; or
@@ -11,6 +11,7 @@ part offers one or more *payloads* that produce the version from a given base:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal
 
 import msgspec
@@ -70,8 +71,18 @@ class Manifest(msgspec.Struct, frozen=True):
     created_at: float
     parts: list[Part]
 
-    def tensors(self) -> dict[str, TensorInfo]:
-        return {t.name: t for p in self.parts for t in p.tensors}
+    def tensors(self, parts: Collection[str] | None = None) -> dict[str, TensorInfo]:
+        """Every tensor of the version, or only those of the named parts."""
+        if parts is not None:
+            missing = set(parts) - {p.name for p in self.parts}
+            if missing:
+                raise DeltaSyncError(
+                    f"version {self.version} has no part {sorted(missing)[0]!r} (its parts: "
+                    f"{[p.name for p in self.parts]})"
+                )
+        return {
+            t.name: t for p in self.parts if parts is None or p.name in parts for t in p.tensors
+        }
 
     def bases(self) -> set[int | None]:
         """Base versions for which every part has a payload (None = full)."""
@@ -103,6 +114,16 @@ class Manifest(msgspec.Struct, frozen=True):
         return n
 
 
+class PartRecord(msgspec.Struct, frozen=True):
+    """One part of a version, written by its publisher (a trainer rank) after its shards;
+    the group's committer gathers these into the manifest."""
+
+    version: int
+    anchor_version: int
+    chunk_bytes: int
+    part: Part
+
+
 class Latest(msgspec.Struct, frozen=True):
     version: int
     digest: str
@@ -110,6 +131,10 @@ class Latest(msgspec.Struct, frozen=True):
 
 def manifest_key(version: int) -> str:
     return f"versions/{version:012d}/manifest.json"
+
+
+def part_key(version: int, name: str) -> str:
+    return f"versions/{version:012d}/parts/{name}.json"
 
 
 def encode_manifest(m: Manifest) -> bytes:

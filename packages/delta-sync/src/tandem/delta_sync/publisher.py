@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -19,12 +19,14 @@ import structlog
 from tandem.delta_sync.container import shard_digest, shard_key
 from tandem.delta_sync.encoder import encode_state, tensor_infos
 from tandem.delta_sync.errors import DeltaSyncError, NotFoundError, StoreError
+from tandem.delta_sync.group import await_commit, check_group, commit_group, write_part
 from tandem.delta_sync.manifest import (
     LATEST_KEY,
     MANIFEST_FORMAT,
     Latest,
     Manifest,
     Part,
+    PartRecord,
     Payload,
     ShardRef,
     decode_latest,
@@ -58,6 +60,10 @@ class Publisher:
 
     The state must not change while `publish` runs (publish a snapshot, or publish between
     optimizer steps).
+
+    Per-rank publishing: every rank of a sharded trainer runs its own Publisher with
+    `part` = its name and the same `group` (all the names; the first commits), and publishes
+    only its own tensors; see `group`.
     """
 
     def __init__(
@@ -72,6 +78,8 @@ class Publisher:
         level: int = 1,
         catchup: bool = True,
         part: str = "main",
+        group: Sequence[str] | None = None,
+        commit_timeout: float = 600.0,
         progress: Progress | None = None,
     ) -> None:
         if anchor_every < 1:
@@ -89,6 +97,8 @@ class Publisher:
         self.level = level
         self.catchup = catchup
         self.part = part
+        self.group = None if group is None else check_group(part, group)
+        self.commit_timeout = commit_timeout
         self.progress = progress
         self._prev: dict[str, TensorView] | None = None
         self._prev_manifest: Manifest | None = None
@@ -122,7 +132,8 @@ class Publisher:
             return
         from tandem.delta_sync.subscriber import Subscriber
 
-        sub = Subscriber(self.store, workers=self.workers)
+        parts = None if self.group is None else [self.part]  # a rank rebuilds its own tensors
+        sub = Subscriber(self.store, workers=self.workers, parts=parts)
         try:
             self._rebuild(sub, latest)
         finally:
@@ -199,29 +210,14 @@ class Publisher:
                 payloads.append(payload)
                 reports.append(report)
             store_check.result()
+            part = Part(self.part, tensor_infos(views, digests), payloads)
+            anchor_version = version if is_anchor else anchor.version  # type: ignore[union-attr]
+            manifest = self._commit(version, anchor_version, part, digests)
         except BaseException:
             if self._prev is not None:  # partly advanced: rebuild it from the store next time
                 self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
                 self._resumed = False
             raise
-        infos = tensor_infos(views, digests)
-        manifest = Manifest(
-            format=MANIFEST_FORMAT,
-            version=version,
-            anchor_version=version if is_anchor else anchor.version,  # type: ignore[union-attr]
-            chunk_bytes=self.chunk_bytes,
-            digest=state_digest(digests),
-            created_at=time.time(),
-            parts=[Part(self.part, infos, payloads)],
-        )
-        try:
-            self.store.put(manifest_key(version), encode_manifest(manifest))
-            self.store.put(LATEST_KEY, encode_latest(Latest(version, manifest.digest)))
-        except StoreError as e:
-            raise StoreError(
-                f"publishing version {version}: all shards are uploaded but the commit failed "
-                f"({e}); publish version {version} again to finish"
-            ) from e
         if self._prev is None:
             self._prev = {n: v.snapshot() for n, v in views.items()}
         if is_anchor:
@@ -247,6 +243,36 @@ class Publisher:
             seconds=round(report.seconds, 3),
         )
         return report
+
+    def _commit(
+        self, version: int, anchor_version: int, part: Part, digests: dict[str, str]
+    ) -> Manifest:
+        """Make the version visible: manifest, then `latest` (for a group, once every rank's
+        part is there; the other ranks wait for it)."""
+        try:
+            if self.group is not None:
+                record = PartRecord(version, anchor_version, self.chunk_bytes, part)
+                write_part(self.store, record)
+                if self.part != self.group[0]:
+                    return await_commit(self.store, version, self.group[0], self.commit_timeout)
+                return commit_group(self.store, record, self.group, self.commit_timeout)
+            manifest = Manifest(
+                format=MANIFEST_FORMAT,
+                version=version,
+                anchor_version=anchor_version,
+                chunk_bytes=self.chunk_bytes,
+                digest=state_digest(digests),
+                created_at=time.time(),
+                parts=[part],
+            )
+            self.store.put(manifest_key(version), encode_manifest(manifest))
+            self.store.put(LATEST_KEY, encode_latest(Latest(version, manifest.digest)))
+            return manifest
+        except StoreError as e:
+            raise StoreError(
+                f"publishing version {version}: the shards are uploaded but the commit failed "
+                f"({e}); publish version {version} again to finish"
+            ) from e
 
     def _check_store(self, version: int, last: int | None) -> None:
         """Refuse to publish over another publisher's stream or an existing version."""

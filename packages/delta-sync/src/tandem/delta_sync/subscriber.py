@@ -14,7 +14,7 @@ anchor's worth of bytes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ class Prepared:
                 f"{label} was prepared from version {self.from_version} but the subscriber "
                 f"is now at {sub.version}; prepare again"
             )
-        targets = self.manifest.tensors()
+        targets = self.manifest.tensors(sub.parts)
         views = views_of({n: state[n] for n in targets if n in state}, writable=True)
         check_targets(views, targets, label)
         if self.patch is not None:
@@ -115,7 +115,9 @@ class Subscriber:
 
     `max_chain` bounds how many step deltas a pull may chain before it prefers the anchor
     plus one catch-up delta; `cache_dir` keeps verified shards on disk so an interrupted
-    prepare resumes without downloading them again (in memory otherwise).
+    prepare resumes without downloading them again (in memory otherwise). `parts` limits
+    the pull to the tensors of those parts of a version published per rank (default: all,
+    reassembled into one state).
     """
 
     def __init__(
@@ -127,9 +129,11 @@ class Subscriber:
         version: int | None = None,
         cache_dir: str | Path | None = None,
         max_chain: int = 4,
+        parts: Collection[str] | None = None,
         progress: Callable[[str, int], None] | None = None,
     ) -> None:
         self.store = store
+        self.parts = None if parts is None else frozenset(parts)
         self.max_chain = max_chain
         self.workers = workers or default_workers()
         self.download_workers = download_workers
@@ -271,6 +275,8 @@ class Subscriber:
             mv = self.manifest(v)
             what = "anchor" if base is None else f"delta from {base}"
             for part in mv.parts:
+                if self.parts is not None and part.name not in self.parts:
+                    continue
                 payload = part.payload_from(base)
                 if payload is None:
                     raise IntegrityError(f"version {v}: part {part.name!r} lacks its {what}")
@@ -297,7 +303,7 @@ class Subscriber:
                 self.progress("download", len(data))
         patch = stage(
             layers,
-            m.tensors(),
+            m.tensors(self.parts),
             chunk_bytes=m.chunk_bytes,
             pool=self._pool.get(),
             label=f"version {target}",
@@ -316,9 +322,14 @@ class Subscriber:
         if target is None:
             raise NotFoundError(f"nothing has been published to {self.store.describe()} yet")
         m = self.manifest(target)
-        arrays = {n: np.zeros(t.shape, numpy_dtype(t.dtype)) for n, t in m.tensors().items()}
+        arrays = {
+            n: np.zeros(t.shape, numpy_dtype(t.dtype)) for n, t in m.tensors(self.parts).items()
+        }
         helper = Subscriber(
-            self.store, workers=self.workers, download_workers=self.download_workers
+            self.store,
+            workers=self.workers,
+            download_workers=self.download_workers,
+            parts=self.parts,
         )
         helper._manifests = self._manifests
         try:

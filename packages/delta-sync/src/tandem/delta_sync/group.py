@@ -1,0 +1,127 @@
+"""Committing a version published in parts, one per trainer rank, with no gather of the model.
+
+Each rank encodes and uploads the delta of its own tensors, then writes a part record
+(`versions/<v>/parts/<name>.json`). The group's first rank waits for every record, checks
+that they agree, and commits the version as a single publisher does: the manifest listing
+every part, then `latest`. The other ranks wait for that manifest, so `publish` returns on
+every rank once the version is visible to readers, and subscribers reassemble the whole
+state from the parts. A rank that never publishes its part makes the commit time out with
+its name; nothing is committed, and publishing the version again on every rank finishes it
+(shards already uploaded are reused).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundError, StoreError
+from tandem.delta_sync.manifest import (
+    LATEST_KEY,
+    MANIFEST_FORMAT,
+    Latest,
+    Manifest,
+    PartRecord,
+    decode_manifest,
+    encode_latest,
+    encode_manifest,
+    manifest_key,
+    part_key,
+)
+from tandem.delta_sync.stores.base import Store
+from tandem.delta_sync.tensors import state_digest
+
+
+def check_group(part: str, group: Sequence[str]) -> list[str]:
+    names = list(group)
+    if len(set(names)) != len(names):
+        raise DeltaSyncError(f"group {names} names a part twice")
+    if part not in names:
+        raise DeltaSyncError(f"part {part!r} is not in its group {names}")
+    return names
+
+
+def write_part(store: Store, record: PartRecord) -> None:
+    store.put(part_key(record.version, record.part.name), msgspec.json.encode(record))
+
+
+def _wait(store: Store, key: str, what: str, timeout: float) -> bytes:
+    """The object at `key`, polled with a growing interval until `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    interval = 0.02
+    while True:
+        try:
+            return store.get(key)
+        except NotFoundError:
+            pass
+        if time.monotonic() >= deadline:
+            raise StoreError(f"{what} did not appear in {store.describe()} within {timeout:g} s")
+        time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
+        interval = min(interval * 1.5, 0.5)
+
+
+def commit_group(store: Store, own: PartRecord, group: Sequence[str], timeout: float) -> Manifest:
+    """Gather every part record of `own.version`, check them, write manifest then latest."""
+    v = own.version
+    records = []
+    for name in group:
+        if name == own.part.name:
+            records.append(own)
+            continue
+        data = _wait(
+            store,
+            part_key(v, name),
+            f"version {v}: part {name!r} (is its rank running?); nothing was committed",
+            timeout,
+        )
+        try:
+            records.append(msgspec.json.decode(data, type=PartRecord))
+        except msgspec.DecodeError as e:
+            raise IntegrityError(f"version {v}: part record {name!r} unreadable ({e})") from None
+    seen: dict[str, str] = {}
+    for r in records:
+        if (r.version, r.anchor_version, r.chunk_bytes) != (
+            v,
+            own.anchor_version,
+            own.chunk_bytes,
+        ):
+            raise DeltaSyncError(
+                f"version {v}: part {r.part.name!r} was published as version {r.version} with "
+                f"anchor {r.anchor_version} and {r.chunk_bytes}-byte chunks, part "
+                f"{own.part.name!r} with anchor {own.anchor_version} and {own.chunk_bytes}: "
+                "every rank must publish with the same settings and history"
+            )
+        for t in r.part.tensors:
+            if t.name in seen:
+                raise DeltaSyncError(
+                    f"version {v}: tensor {t.name!r} is in parts {seen[t.name]!r} and "
+                    f"{r.part.name!r}; each tensor belongs to one rank"
+                )
+            seen[t.name] = r.part.name
+    manifest = Manifest(
+        format=MANIFEST_FORMAT,
+        version=v,
+        anchor_version=own.anchor_version,
+        chunk_bytes=own.chunk_bytes,
+        digest=state_digest({t.name: t.digest for r in records for t in r.part.tensors}),
+        created_at=time.time(),
+        parts=[r.part for r in records],
+    )
+    if len(manifest.bases()) != len({p.base_version for p in own.part.payloads}):
+        raise DeltaSyncError(f"version {v}: the parts were not encoded against the same bases")
+    store.put(manifest_key(v), encode_manifest(manifest))
+    store.put(LATEST_KEY, encode_latest(Latest(v, manifest.digest)))
+    return manifest
+
+
+def await_commit(store: Store, version: int, committer: str, timeout: float) -> Manifest:
+    """The manifest of `version` once the group's committer has written it."""
+    data = _wait(
+        store,
+        manifest_key(version),
+        f"version {version}: the manifest (committed by part {committer!r})",
+        timeout,
+    )
+    return decode_manifest(data, version)
