@@ -323,3 +323,50 @@ def test_failed_commit_then_publish_again(local_store, trainer, same_bits) -> No
     assert len(store.puts) == uploaded
     assert sub.pull(engine).version == 1
     same_bits(engine, v1)
+
+
+class Outage(Store):
+    """Every request fails while `down` is true."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise StoreError("connection refused")
+
+    def get(self, key: str) -> bytes:
+        self._check()
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._check()
+        self.inner.put(key, data)
+
+    def exists(self, key: str) -> bool:
+        self._check()
+        return self.inner.exists(key)
+
+    def describe(self) -> str:
+        return f"outage({self.inner.describe()})"
+
+
+def test_publisher_retries_through_an_outage(local_store, trainer, same_bits) -> None:
+    store = Outage(local_store)
+    pub = Publisher(store, **OPTS)
+    pub.publish(0, trainer.step())
+    sub = Subscriber(local_store)
+    engine = sub.materialize()
+    sub.version = 0
+    store.down = True
+    v1, v2 = trainer.step(LR), trainer.step(LR)
+    with pytest.raises(StoreError):
+        pub.publish(1, v1)
+    with pytest.raises(StoreError):  # still down: rebuilding the base from the store fails too
+        pub.publish(2, v2)
+    store.down = False
+    report = pub.publish(2, v2)  # the trainer moved on; version 1 was never published
+    assert not report.is_anchor
+    assert sub.pull(engine).version == 2
+    same_bits(engine, v2)

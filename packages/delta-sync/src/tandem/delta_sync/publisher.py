@@ -125,10 +125,11 @@ class Publisher:
         return None if self._prev_manifest is None else self._prev_manifest.version
 
     def _resume(self) -> None:
-        """Rebuild the base (and anchor) of the stream from the store, once."""
-        self._resumed = True
+        """Rebuild the base (and anchor) of the stream from the store, once (and again on the
+        next publish if the store fails meanwhile)."""
         latest = read_latest(self.store)
         if latest is None:
+            self._resumed = True
             return
         from tandem.delta_sync.subscriber import Subscriber
 
@@ -138,6 +139,7 @@ class Publisher:
             self._rebuild(sub, latest)
         finally:
             sub.close()
+        self._resumed = True
 
     def _rebuild(self, sub: Any, latest: Latest) -> None:
         log.info("delta_sync.publisher_resume", version=latest.version)
