@@ -18,11 +18,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import torch
 
+from tandem.delta_sync import LocalStore, StoreError
+from tandem.orchestrator import rl as rl_module
 from tandem.orchestrator.config import (
     EngineConfig,
     EnvSettings,
@@ -178,3 +181,85 @@ def test_resume_after_sigkill(tmp_path: Path) -> None:
     meta = json.loads((run_dir / "checkpoints" / "step_00000004" / "meta.json").read_text())
     assert meta["policy_version"] == 4 and meta["extra"]["stream"] == 1
     assert meta["task_cursor"] >= 4
+
+
+class FlakyStore(LocalStore):
+    """A LocalStore that fails every request while `down` is set (an object-store outage)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.down = threading.Event()
+        self.refused = 0
+
+    def _check(self, key: str) -> None:
+        if self.down.is_set():
+            self.refused += 1
+            raise StoreError(f"{key!r}: connection refused (outage)")
+
+    def get(self, key: str) -> bytes:
+        self._check(key)
+        return super().get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._check(key)
+        super().put(key, data)
+
+    def exists(self, key: str) -> bool:
+        self._check(key)
+        return super().exists(key)
+
+
+def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monkeypatch) -> None:
+    stores: list[FlakyStore] = []
+
+    def flaky_stream_store(base: str, run_dir: Path, stream: int) -> FlakyStore:
+        stores.append(FlakyStore(str(run_dir / "weights" / f"stream-{stream:04d}")))
+        return stores[-1]
+
+    monkeypatch.setattr(rl_module, "stream_store", flaky_stream_store)
+    published: dict[int, dict[str, torch.Tensor]] = {}
+    applied: dict[int, bool] = {}
+    during_outage: list[int] = []  # policy versions of groups finished while the store was down
+
+    def on_step(step: int, stats: dict) -> None:
+        if step == 0:  # the store goes down for a few seconds after the first step
+            stores[0].down.set()
+            threading.Timer(4.0, stores[0].down.clear).start()
+
+    def on_group(group) -> None:
+        if stores and stores[0].down.is_set():
+            during_outage.append(group.policy_version)
+
+    hooks = RunHooks(
+        on_publish=lambda v, s: published.__setitem__(v, {k: x.clone() for k, x in s.items()}),
+        on_engine_update=lambda v, s: applied.__setitem__(v, weights_equal(s, published[v])),
+        on_step=on_step,
+        on_group=on_group,
+        reward=_parity,
+    )
+    rl = RLConfig(
+        mode="async", steps=4, group_size=3, groups_per_step=1, max_staleness=1,
+        rollout_workers=3, checkpoint_every=4,
+    )  # fmt: skip
+    run = RLRun(
+        build_model(TINY, ByteTokenizer()),
+        rl=rl,
+        trainer=TrainerConfig(lr=1e-2, routing_check_rows=0),
+        engine=ENGINE,
+        env=ENV,
+        tasks=TaskSource(TaskConfig(), 1),
+        run_dir=tmp_path,
+        hooks=hooks,
+    )
+    summary = run.run()
+
+    assert summary.steps_done == 4 and summary.policy_version == 4
+    assert stores[0].refused > 0
+    assert during_outage, "rollouts stopped while the store was down"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert any(r.get("publish_failed") for r in records)
+    assert records[-1]["publish_failures"] >= 1
+    # after the outage the engine caught up, and every version it applied is the trainer's
+    assert applied and all(applied.values()), applied
+    assert max(applied) >= 2
+    assert max(published) > 1  # a version was published after the outage

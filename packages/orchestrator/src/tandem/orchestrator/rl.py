@@ -11,6 +11,12 @@ trainer_version - v <= max_staleness; workers start a group only while fewer tha
 ``sync`` mode alternates: play a step's groups with the current weights, train, publish,
 pull, repeat (no overlap, staleness 0).
 
+A failing weight store delays sync without stopping anything: a publish that fails leaves
+the version pending and is retried with backoff between trainer steps; the engine keeps
+serving the weights it has (its groups age, and past the staleness bound are dropped and
+counted) and retries its pull; once the store is back, one pull brings it to the newest
+version. (In ``sync`` mode rollouts wait for the publish, by definition.)
+
 Groups whose rewards are all equal carry no GRPO signal; they are counted and skipped and the
 trainer waits for more (DAPO's dynamic sampling), so every step learns from
 ``groups_per_step`` informative groups.
@@ -33,6 +39,7 @@ import structlog
 import torch
 
 from tandem.agent_env import SandboxError
+from tandem.delta_sync import StoreError
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.buffer import Group, StalenessBuffer
 from tandem.orchestrator.chat_format import ChatFormat
@@ -50,6 +57,7 @@ from tandem.orchestrator.weights import WeightPublisher, state_for_sync, stream_
 log = structlog.get_logger()
 
 StepCallback = Callable[[int, dict[str, Any]], None]
+_RETRY_S, _RETRY_MAX_S = 0.5, 5.0  # backoff while the weight store fails
 
 
 @dataclass
@@ -159,6 +167,8 @@ class RLRun:
         self.trajectories = 0
         self.busy_s = self.wait_s = 0.0
         self._published = asyncio.Event()
+        self._trainer_busy = asyncio.Lock()  # held while the trainer's weights may change
+        self.pull_failures = 0
 
     # -- rollouts ----------------------------------------------------------------------------
     async def _play_group(self, index: int) -> Group[Sample] | None:
@@ -200,8 +210,12 @@ class RLRun:
     async def _worker(self) -> None:
         ahead = self.rl.effective_max_ahead * self.rl.groups_per_step
         while True:
-            # Groups leave the pipeline when the trainer takes them or drops them as stale.
-            while self.started - self._retired() >= ahead:
+            # Groups leave the pipeline when the trainer takes them or drops them as stale. A
+            # group started on weights already past the staleness bound (the weight store is
+            # failing) would only be dropped: wait for the engine to catch up instead.
+            while self.started - self._retired() >= ahead or (
+                self.trainer.policy_version - self.engine.version > self.rl.max_staleness
+            ):
                 await asyncio.sleep(0.01)
             self.started += 1
             index = self.cursor
@@ -216,11 +230,44 @@ class RLRun:
         return self.buffer.stats.taken + self.buffer.stats.dropped_stale
 
     async def _follow(self) -> None:
-        """The engine side of weight sync: pull each newly published version."""
+        """The engine side of weight sync: pull each newly published version. While the store
+        fails, the engine keeps serving the weights it has and retries with backoff."""
+        delay = _RETRY_S
         while True:
             await self._published.wait()
             self._published.clear()
-            await self.server.pull(self.subscriber)
+            try:
+                await self.server.pull(self.subscriber)
+                delay = _RETRY_S
+            except StoreError as e:
+                self.pull_failures += 1
+                log.warning("rl.pull_failed", failures=self.pull_failures, error=str(e))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _RETRY_MAX_S)
+                self._published.set()  # try again (a newer version may be there by then)
+
+    async def _republish(self) -> None:
+        """While the store fails, retry publishing the trainer's current version between
+        trainer steps (the trainer may be waiting for data that only fresh weights give)."""
+        delay = _RETRY_S
+        while True:
+            await asyncio.sleep(delay)
+            if self.publisher.pending is None:
+                delay = _RETRY_S
+                continue
+            async with self._trainer_busy:
+                report = await asyncio.to_thread(self._publish)
+            if report is not None:
+                self._published.set()
+            delay = _RETRY_S if report is not None else min(2 * delay, _RETRY_MAX_S)
+
+    def _publish(self) -> Any:
+        """Publish the trainer's version (in a worker thread); None when the store failed
+        (retried later)."""
+        report = self.publisher.try_publish(self.trainer.policy_version, self.policy)
+        if report is not None and self.hooks.on_publish is not None:
+            self.hooks.on_publish(report.version, state_for_sync(self.policy))
+        return report
 
     # -- training ----------------------------------------------------------------------------
     def _informative(self, group: Group[Sample]) -> bool:
@@ -256,9 +303,8 @@ class RLRun:
         stats["train_s"] = time.perf_counter() - t0
         report = None
         if stats.get("step_applied"):
-            report = self.publisher.publish(self.trainer.policy_version, self.policy)
-            if self.hooks.on_publish is not None:
-                self.hooks.on_publish(report.version, state_for_sync(self.policy))
+            report = self._publish()
+            stats["publish_failed"] = report is None
         return stats, report
 
     def _step_metrics(
@@ -298,6 +344,8 @@ class RLRun:
                 self.server.prepare_seconds[-1] if self.server.prepare_seconds else None
             ),
             "trajectories": self.trajectories,
+            "publish_failures": self.publisher.failures,
+            "pull_failures": self.pull_failures,
         }
 
     def _checkpoint(self) -> None:
@@ -316,6 +364,7 @@ class RLRun:
         background = [serve]
         if self.rl.mode == "async":
             background.append(asyncio.create_task(self._follow()))
+            background.append(asyncio.create_task(self._republish()))
             background += [
                 asyncio.create_task(self._worker()) for _ in range(self.rl.rollout_workers)
             ]
@@ -346,7 +395,8 @@ class RLRun:
                     )
                     break
                 t_wait = time.perf_counter() - t0  # the trainer idles while it waits for data
-                stats, report = await asyncio.to_thread(self._train, groups)
+                async with self._trainer_busy:
+                    stats, report = await asyncio.to_thread(self._train, groups)
                 self.wait_s += t_wait
                 self.busy_s += stats["train_s"]
                 if report is not None and self.rl.mode == "async":
@@ -358,6 +408,11 @@ class RLRun:
                 ) / max(now - rollout_t0, 1e-9)
                 stats["elapsed_s"] = now - t_start
                 if self.rl.mode == "sync" and stats.get("step_applied"):
+                    delay = _RETRY_S
+                    while self.publisher.pending is not None:  # no rollout before it is out
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, _RETRY_MAX_S)
+                        await asyncio.to_thread(self._publish)
                     await self.server.pull(self.subscriber)
                     while self.engine.version != self.trainer.policy_version:
                         await asyncio.sleep(0.002)

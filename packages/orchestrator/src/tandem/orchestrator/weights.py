@@ -12,9 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
-from tandem.delta_sync import LocalStore, Publisher, PublishReport, Subscriber, open_store
+from tandem.delta_sync import (
+    LocalStore,
+    Publisher,
+    PublishReport,
+    StoreError,
+    Subscriber,
+    open_store,
+)
+
+log = structlog.get_logger()
 
 
 def stream_store(base: str, run_dir: Path, stream: int) -> Any:
@@ -32,17 +42,36 @@ def state_for_sync(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class WeightPublisher:
-    """Publishes policy versions of the trainer's model and remembers the figures."""
+    """Publishes policy versions of the trainer's model and remembers the figures.
+
+    `try_publish` survives a failing store: the version is left `pending` (the stream is
+    intact: delta-sync commits nothing partial, and its publisher rebuilds its base from the
+    store on the next attempt), and the caller retries later, with a newer version if the
+    trainer has moved on. Engines keep serving the weights they have meanwhile.
+    """
 
     def __init__(self, store: Any, *, anchor_every: int) -> None:
         self.store = store
         self.publisher = Publisher(store, anchor_every=anchor_every)
         self.reports: list[PublishReport] = []
+        self.pending: int | None = None  # a version whose publish failed, not yet retried
+        self.failures = 0
 
     def publish(self, version: int, model: torch.nn.Module) -> PublishReport:
         report = self.publisher.publish(version, state_for_sync(model))
         self.reports.append(report)
+        self.pending = None
         return report
+
+    def try_publish(self, version: int, model: torch.nn.Module) -> PublishReport | None:
+        """`publish`, or None when the store fails (then `pending` is set)."""
+        try:
+            return self.publish(version, model)
+        except StoreError as e:
+            self.failures += 1
+            self.pending = version
+            log.warning("rl.publish_failed", version=version, failures=self.failures, error=str(e))
+            return None
 
     def subscriber(self, version: int | None) -> Subscriber:
         return Subscriber(self.store, version=version)
