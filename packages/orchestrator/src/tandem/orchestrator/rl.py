@@ -50,6 +50,7 @@ from tandem.orchestrator.episode import Sample, episode_generator, run_episode
 from tandem.orchestrator.metrics import MetricsLog
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.server import EngineServer
+from tandem.orchestrator.step_log import StepProgress, log_step
 from tandem.orchestrator.tasks import TaskSource, env_config
 from tandem.orchestrator.trainer import RLTrainer
 from tandem.orchestrator.weights import WeightPublisher, state_for_sync, stream_store
@@ -368,7 +369,7 @@ class RLRun:
             background += [
                 asyncio.create_task(self._worker()) for _ in range(self.rl.rollout_workers)
             ]
-        bar = _Progress(self.rl.steps, self.step, enabled=self.progress)
+        bar = StepProgress(self.rl.steps, self.step, enabled=self.progress)
         last: dict[str, Any] = {}
         rollout_t0, rollout_tok0 = time.perf_counter(), self.engine.stats.tokens_sampled
         try:
@@ -418,7 +419,7 @@ class RLRun:
                         await asyncio.sleep(0.002)
                 self.metrics.log(self.step, stats)
                 last = stats
-                _log_step(self.step, stats)
+                log_step(self.step, stats)
                 if self.hooks.on_step is not None:
                     self.hooks.on_step(self.step, stats)
                 self.step += 1
@@ -481,62 +482,3 @@ class RLRun:
             if self.hooks.on_engine_update is not None:
                 self.engine.on_apply = self.hooks.on_engine_update
             return asyncio.run(self._run())
-
-
-def _log_step(step: int, stats: dict[str, Any]) -> None:
-    def r(key: str, nd: int = 3) -> Any:
-        v = stats.get(key)
-        return round(v, nd) if isinstance(v, float) else v
-
-    log.info(
-        "rl.step",
-        step=step,
-        version=stats.get("policy_version"),
-        reward=r("reward"),
-        pass_rate=r("pass_rate"),
-        loss=r("loss", 4),
-        mismatch_max=stats.get("mismatch_max_abs"),
-        routing_free=r("routing_agreement_free", 4),
-        staleness=stats.get("staleness_histogram"),
-        dropped=stats.get("dropped_stale"),
-        filtered=stats.get("groups_filtered_equal"),
-        sync_kb=round(stats["sync_bytes"] / 1024, 1) if stats.get("sync_bytes") else None,
-        train_s=r("train_s", 2),
-        wait_s=r("wait_s", 2),
-    )
-
-
-class _Progress:
-    """A rich progress bar over RL steps (silent when disabled)."""
-
-    def __init__(self, total: int, done: int, *, enabled: bool) -> None:
-        self._bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._bar = Progress(
-                TextColumn("[bold]RL"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.fields[info]}"),
-                console=Console(stderr=True),
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("rl", total=total, completed=done, info="")
-
-    def advance(self, stats: dict[str, Any]) -> None:
-        if self._bar is not None:
-            info = f"reward {stats.get('reward', 0):.2f} pass {stats.get('pass_rate', 0):.2f}"
-            self._bar.update(self._task, advance=1, info=info)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
