@@ -12,6 +12,7 @@ generated tokens so that a random tiny policy still yields groups with different
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -263,3 +264,48 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
     assert applied and all(applied.values()), applied
     assert max(applied) >= 2
     assert max(published) > 1  # a version was published after the outage
+
+
+def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, monkeypatch) -> None:
+    real_run_episode = rl_module.run_episode
+    stuck = {"started": 0, "released": 0}
+
+    async def run_episode(server, *args, **kwargs):
+        if stuck["started"] == 0:  # the very first episode hangs (a stalled sandbox, say)
+            stuck["started"] += 1
+            slot = await server.acquire()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                server.release(slot)
+                stuck["released"] += 1
+        return await real_run_episode(server, *args, **kwargs)
+
+    monkeypatch.setattr(rl_module, "run_episode", run_episode)
+    groups: list[int] = []
+    run = RLRun(
+        build_model(TINY, ByteTokenizer()),
+        rl=RLConfig(
+            mode="async",
+            steps=2,
+            group_size=3,
+            groups_per_step=1,
+            max_staleness=1,
+            rollout_workers=2,
+            checkpoint_every=2,
+        ),
+        trainer=TrainerConfig(lr=1e-2, routing_check_rows=0),
+        engine=ENGINE,
+        env=EnvSettings(
+            max_turns=1, allow_unsandboxed=True, episode_wall_s=2.0, grade_timeout_s=1.0
+        ),
+        tasks=TaskSource(TaskConfig(), 1),
+        run_dir=tmp_path,
+        hooks=RunHooks(reward=_parity, on_group=lambda g: groups.append(len(g.samples))),
+    )
+    summary = run.run()
+    assert summary.steps_done == 2
+    assert stuck == {"started": 1, "released": 1}  # cut, and its engine slot given back
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["episodes_cut"] == 1
+    assert groups and all(n == 3 for n in groups)  # no partial group reached the trainer
+    assert run.engine.free_slots == ENGINE.max_slots

@@ -170,25 +170,39 @@ class RLRun:
         self._published = asyncio.Event()
         self._trainer_busy = asyncio.Lock()  # held while the trainer's weights may change
         self.pull_failures = 0
+        self.episodes_cut = 0
 
     # -- rollouts ----------------------------------------------------------------------------
     async def _play_group(self, index: int) -> Group[Sample] | None:
         task = self.tasks[index]
+        # An episode still running past its wall budget plus grading has overrun every limit
+        # it has (a stalled sandbox or engine): it is cut, counted, and its group dropped.
+        budget = self.env.episode_wall_s + self.env.grade_timeout_s
         results = await asyncio.gather(
             *(
-                run_episode(
-                    self.server,
-                    self.chat,
-                    task,
-                    self.env_config,
-                    max_new_tokens=self.engine_cfg.max_new_tokens,
-                    max_observation_chars=self.env.max_observation_chars,
-                    generator=episode_generator(self.seed, index, j),
+                asyncio.wait_for(
+                    run_episode(
+                        self.server,
+                        self.chat,
+                        task,
+                        self.env_config,
+                        max_new_tokens=self.engine_cfg.max_new_tokens,
+                        max_observation_chars=self.env.max_observation_chars,
+                        generator=episode_generator(self.seed, index, j),
+                    ),
+                    timeout=budget,
                 )
                 for j in range(self.rl.group_size)
             ),
             return_exceptions=True,
         )
+        cut = sum(isinstance(r, TimeoutError) for r in results)
+        if cut:
+            self.episodes_cut += cut
+            log.warning(
+                "rl.group_dropped", reason=f"{cut} episodes past {budget:g} s", task=task.id
+            )
+            return None
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             if not all(isinstance(e, SandboxError) for e in errors):
@@ -347,6 +361,7 @@ class RLRun:
             "trajectories": self.trajectories,
             "publish_failures": self.publisher.failures,
             "pull_failures": self.pull_failures,
+            "episodes_cut": self.episodes_cut,
         }
 
     def _checkpoint(self) -> None:
