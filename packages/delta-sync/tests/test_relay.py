@@ -137,3 +137,16 @@ def test_relay_holds_latest_for_its_ttl_only(local_store, tmp_path, trainer) -> 
 
 def _keys(store: LocalStore) -> list[str]:
     return sorted(str(p.relative_to(store.root)) for p in store.root.rglob("*") if p.is_file())
+
+
+class FullDisk(LocalStore):
+    def put(self, key: str, data: bytes) -> None:
+        raise StoreError(f"writing {key!r}: disk full (ENOSPC)")
+
+
+def test_relay_serves_what_it_cannot_cache(local_store, tmp_path, trainer, same_bits) -> None:
+    state = trainer.step()
+    Publisher(local_store, **SMALL).publish(0, state)
+    relay = RelayStore(local_store, FullDisk(tmp_path / "cache"))
+    same_bits(Subscriber(relay).materialize(), state)
+    assert relay.stats.cache_errors == relay.stats.origin_gets > 0

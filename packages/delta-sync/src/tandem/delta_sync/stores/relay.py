@@ -19,11 +19,14 @@ import threading
 import time
 
 import msgspec
+import structlog
 
 from tandem.delta_sync.container import shard_digest
-from tandem.delta_sync.errors import IntegrityError, NotFoundError
+from tandem.delta_sync.errors import IntegrityError, NotFoundError, StoreError
 from tandem.delta_sync.manifest import LATEST_KEY, decode_manifest
 from tandem.delta_sync.stores.base import Store, check_key
+
+log = structlog.get_logger()
 
 _MANIFEST = re.compile(r"^versions/(\d+)/manifest\.json$")
 
@@ -35,6 +38,7 @@ class RelayStats(msgspec.Struct):
     origin_bytes: int = 0
     cache_hits: int = 0
     latest_gets: int = 0
+    cache_errors: int = 0  # objects served without being kept (the cache could not write)
 
 
 class RelayStore(Store):
@@ -110,7 +114,12 @@ class RelayStore(Store):
                     self.stats.origin_gets += 1
                     self.stats.origin_bytes += len(data)
                 _verify(key, data, self.origin)
-                self.cache.put(key, data)
+                try:
+                    self.cache.put(key, data)
+                except StoreError as e:  # e.g. the cache disk is full: serve it uncached
+                    with self._lock:
+                        self.stats.cache_errors += 1
+                    log.warning("delta_sync.relay_cache_failed", key=key, error=str(e))
                 return data
             finally:
                 with self._lock:
