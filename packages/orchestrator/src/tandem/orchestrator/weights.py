@@ -9,6 +9,7 @@ a resumed trainer can publish the same version numbers again without colliding.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,30 @@ def state_for_sync(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def rank_partition(sizes: Mapping[str, int], world: int) -> list[list[str]]:
+    """Tensor names split over `world` trainer ranks with about equal bytes each.
+
+    Deterministic (largest first, ties by name, each to the least-loaded rank), so every rank
+    computes the same split without talking to the others.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    ranks: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        ranks[r].append(name)
+        load[r] += sizes[name]
+    return [sorted(names) for names in ranks]
+
+
 class WeightPublisher:
     """Publishes policy versions of the trainer's model and remembers the figures.
+
+    With ``world`` > 1 (a data-parallel trainer of that many processes, each holding the whole
+    model), rank ``rank`` publishes only its `rank_partition` of the tensors as its part of
+    the version, and rank 0 commits it: no process gathers or sends the whole model, and
+    subscribers reassemble it.
 
     `try_publish` survives a failing store: the version is left `pending` (the stream is
     intact: delta-sync commits nothing partial, and its publisher rebuilds its base from the
@@ -50,15 +73,27 @@ class WeightPublisher:
     trainer has moved on. Engines keep serving the weights they have meanwhile.
     """
 
-    def __init__(self, store: Any, *, anchor_every: int) -> None:
+    def __init__(self, store: Any, *, anchor_every: int, rank: int = 0, world: int = 1) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, {world})")
         self.store = store
-        self.publisher = Publisher(store, anchor_every=anchor_every)
+        self.rank, self.world = rank, world
+        group = None if world == 1 else [f"rank{i}" for i in range(world)]
+        part = "main" if group is None else group[rank]
+        self.publisher = Publisher(store, anchor_every=anchor_every, part=part, group=group)
+        self.names: set[str] | None = None  # this rank's tensors (all when world == 1)
         self.reports: list[PublishReport] = []
         self.pending: int | None = None  # a version whose publish failed, not yet retried
         self.failures = 0
 
     def publish(self, version: int, model: torch.nn.Module) -> PublishReport:
-        report = self.publisher.publish(version, state_for_sync(model))
+        state = state_for_sync(model)
+        if self.world > 1:
+            if self.names is None:
+                sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
+                self.names = set(rank_partition(sizes, self.world)[self.rank])
+            state = {k: v for k, v in state.items() if k in self.names}
+        report = self.publisher.publish(version, state)
         self.reports.append(report)
         self.pending = None
         return report
