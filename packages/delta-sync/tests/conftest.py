@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import ml_dtypes
 import numpy as np
 import pytest
+import structlog
 
 from tandem.delta_sync.server import StoreServer
 from tandem.delta_sync.stores import HttpStore, LocalStore, S3Store
@@ -18,6 +19,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """The CLI configures structlog for its process (logs to the stderr it sees): put the
+    defaults back so that no later test logs into a closed captured stream."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tandem.delta_sync import DeltaSyncError, Publisher, StoreError, Subscriber
+from tandem.delta_sync.cli import main
 from tandem.delta_sync.manifest import part_key
 
 SMALL = {"chunk_bytes": 1 << 16, "shard_bytes": 1 << 17}
@@ -32,7 +33,7 @@ def _publish_all(pool, ranks: list[Publisher], version: int, state: dict) -> lis
 
 
 def test_ranks_publish_their_own_tensors_and_engines_get_the_whole_state(
-    local_store, trainer, same_bits
+    local_store, trainer, same_bits, capsys
 ) -> None:
     ranks = _ranks(local_store, anchor_every=3)
     engine = {k: np.zeros_like(v) for k, v in trainer.snapshot().items()}
@@ -61,6 +62,10 @@ def test_ranks_publish_their_own_tensors_and_engines_get_the_whole_state(
     same_bits(mine, _split(history[6])[1])
     with pytest.raises(DeltaSyncError, match="has no part 'rank9'"):
         Subscriber(local_store, parts=["rank9"]).prepare()
+    capsys.readouterr()
+    assert main(["inspect", str(local_store.root)]) == 0
+    table = capsys.readouterr().out
+    assert "rank0" in table and "rank1" in table
 
 
 def test_a_restarted_rank_rebuilds_only_its_part_and_continues(

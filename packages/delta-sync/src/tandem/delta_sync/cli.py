@@ -34,6 +34,7 @@ from rich.progress import (
 from rich.table import Table
 
 from tandem.delta_sync import safetensors_io
+from tandem.delta_sync.dtypes import itemsize
 from tandem.delta_sync.errors import DeltaSyncError
 from tandem.delta_sync.manifest import LATEST_KEY, manifest_key
 from tandem.delta_sync.parallel import default_workers
@@ -149,14 +150,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     table = Table("part", "payload", "base", "bytes", "ratio", "changed", "shards", "chunks")
     for part in m.parts:
+        numel = sum(int(np.prod(t.shape)) for t in part.tensors)
+        part_dense = sum(int(np.prod(t.shape)) * itemsize(t.dtype) for t in part.tensors)
         for p in part.payloads:
-            numel = sum(int(np.prod(t.shape)) for t in part.tensors)
             table.add_row(
                 part.name,
                 p.kind,
                 "-" if p.base_version is None else str(p.base_version),
                 f"{p.nbytes:,}",
-                f"{dense / max(p.nbytes, 1):.1f}x",
+                f"{part_dense / max(p.nbytes, 1):.1f}x",
                 f"{100 * p.changed / max(numel, 1):.2f}%",
                 str(len(p.shards)),
                 ", ".join(f"{k} {v}" for k, v in sorted(p.chunks.items())),
