@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -171,3 +174,19 @@ def test_base_digests_hashed_during_the_scan_equal_a_separate_pass() -> None:
     views = views_of(base)
     expected = {n: tensor_digest(v, chunk_elems_for(v.itemsize, 1 << 12)) for n, v in views.items()}
     assert {t.name: t.digest for t in meta.base} == expected
+
+
+def test_warm_up_readies_the_kernels_a_pull_will_call() -> None:
+    """In a fresh process no kernel is ready; after warm_up((4,)) the 4-byte patch kernel is
+    (compiled, or loaded from numba's cache), and warm_up checked its own round trips."""
+    script = (
+        "from tandem.delta_sync import kernels, warm_up\n"
+        "before = len(kernels.sparse_apply.signatures)\n"
+        "warm_up((4,))\n"
+        "print(before, [str(s[0]) for s in kernels.sparse_apply.signatures])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    ).stdout.split(" ", 1)
+    assert out[0] == "0"
+    assert "uint32" in out[1]

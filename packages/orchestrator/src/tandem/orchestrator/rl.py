@@ -39,7 +39,7 @@ import structlog
 import torch
 
 from tandem.agent_env import SandboxError
-from tandem.delta_sync import StoreError
+from tandem.delta_sync import StoreError, warm_up
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.buffer import Group, StalenessBuffer
 from tandem.orchestrator.chat_format import ChatFormat
@@ -377,7 +377,10 @@ class RLRun:
     async def _run(self) -> RunSummary:
         t_start = time.perf_counter()
         serve = asyncio.create_task(self.server.serve())
-        background = [serve]
+        # delta-sync's compiled kernels get ready while the first groups play, not inside the
+        # first publish or the engine's first pause (compiled once per machine, then loaded)
+        widths = sorted({t.element_size() for t in self.policy.state_dict().values()})
+        background = [serve, asyncio.create_task(asyncio.to_thread(warm_up, widths))]
         if self.rl.mode == "async":
             background.append(asyncio.create_task(self._follow()))
             background.append(asyncio.create_task(self._republish()))
