@@ -355,10 +355,10 @@ class Outage(Store):
 def test_publisher_retries_through_an_outage(local_store, trainer, same_bits) -> None:
     store = Outage(local_store)
     pub = Publisher(store, **OPTS)
-    pub.publish(0, trainer.step())
-    sub = Subscriber(local_store)
-    engine = sub.materialize()
-    sub.version = 0
+    v0 = trainer.step()
+    pub.publish(0, v0)
+    engine = {k: a.copy() for k, a in v0.items()}
+    sub = Subscriber(local_store, version=0)
     store.down = True
     v1, v2 = trainer.step(LR), trainer.step(LR)
     with pytest.raises(StoreError):

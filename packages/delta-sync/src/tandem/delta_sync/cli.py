@@ -18,6 +18,7 @@ import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -172,13 +173,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     server = StoreServer(args.root, args.host, args.port)
     console.print(f"serving {Path(args.root).resolve()} read-only at {server.url}")
+    _serve_until_interrupted(server)
+    return 0
+
+
+def _serve_until_interrupted(server: Any) -> None:
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.httpd.server_close()
-    return 0
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -188,13 +193,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     relay = RelayStore(open_store(args.origin), LocalStore(args.cache), latest_ttl=args.latest_ttl)
     server = StoreServer(relay, args.host, args.port)
     console.print(f"relaying {relay.describe()} read-only at {server.url}")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.httpd.server_close()
-        console.print(f"relay: {relay.stats}")
+    _serve_until_interrupted(server)
+    console.print(f"relay: {relay.stats}")
     return 0
 
 

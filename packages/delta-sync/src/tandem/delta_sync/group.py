@@ -23,6 +23,7 @@ from tandem.delta_sync.manifest import (
     MANIFEST_FORMAT,
     Latest,
     Manifest,
+    Part,
     PartRecord,
     decode_manifest,
     encode_latest,
@@ -100,19 +101,28 @@ def commit_group(store: Store, own: PartRecord, group: Sequence[str], timeout: f
                     f"{r.part.name!r}; each tensor belongs to one rank"
                 )
             seen[t.name] = r.part.name
+    if len({frozenset(r.part.bases()) for r in records}) != 1:
+        raise DeltaSyncError(f"version {v}: the parts were not encoded against the same bases")
+    return commit_version(store, v, own.anchor_version, own.chunk_bytes, [r.part for r in records])
+
+
+def commit_version(
+    store: Store, version: int, anchor_version: int, chunk_bytes: int, parts: list[Part]
+) -> Manifest:
+    """Write the manifest of `parts` (its digest from their tensors' digests), then `latest`:
+    the atomic commit of a version, by a single publisher or a group's committer."""
+    digests = {t.name: t.digest for p in parts for t in p.tensors}
     manifest = Manifest(
         format=MANIFEST_FORMAT,
-        version=v,
-        anchor_version=own.anchor_version,
-        chunk_bytes=own.chunk_bytes,
-        digest=state_digest({t.name: t.digest for r in records for t in r.part.tensors}),
+        version=version,
+        anchor_version=anchor_version,
+        chunk_bytes=chunk_bytes,
+        digest=state_digest(digests),
         created_at=time.time(),
-        parts=[r.part for r in records],
+        parts=parts,
     )
-    if len(manifest.bases()) != len({p.base_version for p in own.part.payloads}):
-        raise DeltaSyncError(f"version {v}: the parts were not encoded against the same bases")
-    store.put(manifest_key(v), encode_manifest(manifest))
-    store.put(LATEST_KEY, encode_latest(Latest(v, manifest.digest)))
+    store.put(manifest_key(version), encode_manifest(manifest))
+    store.put(LATEST_KEY, encode_latest(Latest(version, manifest.digest)))
     return manifest
 
 

@@ -53,6 +53,10 @@ class Part(msgspec.Struct, frozen=True):
     tensors: list[TensorInfo]
     payloads: list[Payload]
 
+    def bases(self) -> set[int | None]:
+        """Base versions this part has a payload from (None = full)."""
+        return {p.base_version if p.kind == "delta" else None for p in self.payloads}
+
     def payload_from(self, base: int | None) -> Payload | None:
         for p in self.payloads:
             if (base is None and p.kind == "full") or (
@@ -86,11 +90,12 @@ class Manifest(msgspec.Struct, frozen=True):
 
     def bases(self) -> set[int | None]:
         """Base versions for which every part has a payload (None = full)."""
-        sets = [
-            {p.base_version if p.kind == "delta" else None for p in part.payloads}
-            for part in self.parts
-        ]
+        sets = [part.bases() for part in self.parts]
         return set.intersection(*sets) if sets else set()
+
+    def step_base(self) -> int | None:
+        """The newest earlier version this one has a delta from (its step delta's base)."""
+        return max((b for b in self.bases() if b is not None and b < self.version), default=None)
 
     def payload_bytes(self, base: int | None) -> int:
         total = 0

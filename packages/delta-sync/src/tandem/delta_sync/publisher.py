@@ -19,10 +19,15 @@ import structlog
 from tandem.delta_sync.container import shard_digest, shard_key
 from tandem.delta_sync.encoder import encode_state, tensor_infos
 from tandem.delta_sync.errors import DeltaSyncError, NotFoundError, StoreError
-from tandem.delta_sync.group import await_commit, check_group, commit_group, write_part
+from tandem.delta_sync.group import (
+    await_commit,
+    check_group,
+    commit_group,
+    commit_version,
+    write_part,
+)
 from tandem.delta_sync.manifest import (
     LATEST_KEY,
-    MANIFEST_FORMAT,
     Latest,
     Manifest,
     Part,
@@ -30,14 +35,12 @@ from tandem.delta_sync.manifest import (
     Payload,
     ShardRef,
     decode_latest,
-    encode_latest,
-    encode_manifest,
     manifest_key,
 )
 from tandem.delta_sync.parallel import KeptPool, default_workers
 from tandem.delta_sync.reports import PayloadReport, PublishReport
 from tandem.delta_sync.stores.base import Store
-from tandem.delta_sync.tensors import TensorView, state_digest, view_of, views_of
+from tandem.delta_sync.tensors import TensorView, view_of, views_of
 
 log = structlog.get_logger()
 
@@ -214,7 +217,7 @@ class Publisher:
             store_check.result()
             part = Part(self.part, tensor_infos(views, digests), payloads)
             anchor_version = version if is_anchor else anchor.version  # type: ignore[union-attr]
-            manifest = self._commit(version, anchor_version, part, digests)
+            manifest = self._commit(version, anchor_version, part)
         except BaseException:
             if self._prev is not None:  # partly advanced: rebuild it from the store next time
                 self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
@@ -246,9 +249,7 @@ class Publisher:
         )
         return report
 
-    def _commit(
-        self, version: int, anchor_version: int, part: Part, digests: dict[str, str]
-    ) -> Manifest:
+    def _commit(self, version: int, anchor_version: int, part: Part) -> Manifest:
         """Make the version visible: manifest, then `latest` (for a group, once every rank's
         part is there; the other ranks wait for it)."""
         try:
@@ -258,18 +259,7 @@ class Publisher:
                 if self.part != self.group[0]:
                     return await_commit(self.store, version, self.group[0], self.commit_timeout)
                 return commit_group(self.store, record, self.group, self.commit_timeout)
-            manifest = Manifest(
-                format=MANIFEST_FORMAT,
-                version=version,
-                anchor_version=anchor_version,
-                chunk_bytes=self.chunk_bytes,
-                digest=state_digest(digests),
-                created_at=time.time(),
-                parts=[part],
-            )
-            self.store.put(manifest_key(version), encode_manifest(manifest))
-            self.store.put(LATEST_KEY, encode_latest(Latest(version, manifest.digest)))
-            return manifest
+            return commit_version(self.store, version, anchor_version, self.chunk_bytes, [part])
         except StoreError as e:
             raise StoreError(
                 f"publishing version {version}: the shards are uploaded but the commit failed "

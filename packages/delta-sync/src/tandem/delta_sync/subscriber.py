@@ -185,8 +185,7 @@ class Subscriber:
             if from_version in bases and cost + mv.payload_bytes(from_version) < best_cost:
                 best = list(reversed([*steps, (v, from_version)]))
                 best_cost = cost + mv.payload_bytes(from_version)
-            deltas = [b for b in bases if b is not None and b < v]
-            prev = max(deltas, default=None)
+            prev = mv.step_base()
             if prev is None or prev <= from_version or len(steps) + 1 >= self.max_chain:
                 break
             cost += mv.payload_bytes(prev)
@@ -211,7 +210,7 @@ class Subscriber:
         v = target
         while v != m.anchor_version:
             mv = self.manifest(v)
-            prev = max((b for b in mv.bases() if b is not None and b < v), default=None)
+            prev = mv.step_base()
             if prev is None or prev < m.anchor_version:
                 raise IntegrityError(
                     f"version {target}: no path from its anchor {m.anchor_version} (version {v} "
