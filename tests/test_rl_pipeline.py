@@ -60,21 +60,42 @@ def _parity(sample) -> float:
     return float(sum(sample.tokens[-len(sample.tokens) // 3 :]) % 2)
 
 
-def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
-    published: dict[int, dict[str, torch.Tensor]] = {}
-    applied: dict[int, bool] = {}
-    group_versions: list[int] = []
+class WeightRecorder:
+    """Hooks that keep every published state and check each engine update against it."""
 
-    def on_publish(version: int, state: dict[str, torch.Tensor]) -> None:
-        published[version] = {k: v.clone() for k, v in state.items()}
+    def __init__(self) -> None:
+        self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.applied: dict[int, bool] = {}
 
-    def on_apply(version: int, state: dict[str, torch.Tensor]) -> None:
+    def on_publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self.published[version] = {k: v.clone() for k, v in state.items()}
+
+    def on_apply(self, version: int, state: dict[str, torch.Tensor]) -> None:
         # The trainer publishes version v before the engine can pull it.
-        applied[version] = weights_equal(state, published[version])
+        self.applied[version] = weights_equal(state, self.published[version])
 
+
+def _tiny_run(
+    tmp_path: Path, rl: RLConfig, hooks: RunHooks, *, env: EnvSettings = ENV, check_rows: int = 0
+) -> RLRun:
+    return RLRun(
+        build_model(TINY, ByteTokenizer()),
+        rl=rl,
+        trainer=TrainerConfig(lr=1e-2, routing_check_rows=check_rows),
+        engine=ENGINE,
+        env=env,
+        tasks=TaskSource(TaskConfig(), 1),
+        run_dir=tmp_path,
+        hooks=hooks,
+    )
+
+
+def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
+    sync = WeightRecorder()
+    group_versions: list[int] = []
     hooks = RunHooks(
-        on_publish=on_publish,
-        on_engine_update=on_apply,
+        on_publish=sync.on_publish,
+        on_engine_update=sync.on_apply,
         on_group=lambda g: group_versions.append(g.policy_version),
         reward=_parity,
     )
@@ -88,21 +109,11 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         rollout_workers=3,
         checkpoint_every=3,
     )
-    policy = build_model(TINY, ByteTokenizer())
-    run = RLRun(
-        policy,
-        rl=rl,
-        trainer=TrainerConfig(lr=1e-2, routing_check_rows=2),
-        engine=ENGINE,
-        env=ENV,
-        tasks=TaskSource(TaskConfig(), 1),
-        run_dir=tmp_path,
-        hooks=hooks,
-    )
-    summary = run.run()
+    summary = _tiny_run(tmp_path, rl, hooks, check_rows=2).run()
 
     assert summary.steps_done == 3 and summary.policy_version == 3
-    assert sorted(published) == [1, 2, 3]
+    assert sorted(sync.published) == [1, 2, 3]
+    applied = sync.applied
     assert applied and all(applied.values()), applied  # engine == trainer, bit for bit
     assert set(applied) <= {1, 2, 3} and min(applied) == 1
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -218,8 +229,7 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
         return stores[-1]
 
     monkeypatch.setattr(rl_module, "stream_store", flaky_stream_store)
-    published: dict[int, dict[str, torch.Tensor]] = {}
-    applied: dict[int, bool] = {}
+    sync = WeightRecorder()
     during_outage: list[int] = []  # policy versions of groups finished while the store was down
 
     def on_step(step: int, stats: dict) -> None:
@@ -232,8 +242,8 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
             during_outage.append(group.policy_version)
 
     hooks = RunHooks(
-        on_publish=lambda v, s: published.__setitem__(v, {k: x.clone() for k, x in s.items()}),
-        on_engine_update=lambda v, s: applied.__setitem__(v, weights_equal(s, published[v])),
+        on_publish=sync.on_publish,
+        on_engine_update=sync.on_apply,
         on_step=on_step,
         on_group=on_group,
         reward=_parity,
@@ -242,16 +252,7 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
         mode="async", steps=4, group_size=3, groups_per_step=1, max_staleness=1,
         rollout_workers=3, checkpoint_every=4,
     )  # fmt: skip
-    run = RLRun(
-        build_model(TINY, ByteTokenizer()),
-        rl=rl,
-        trainer=TrainerConfig(lr=1e-2, routing_check_rows=0),
-        engine=ENGINE,
-        env=ENV,
-        tasks=TaskSource(TaskConfig(), 1),
-        run_dir=tmp_path,
-        hooks=hooks,
-    )
+    run = _tiny_run(tmp_path, rl, hooks)
     summary = run.run()
 
     assert summary.steps_done == 4 and summary.policy_version == 4
@@ -261,9 +262,9 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
     assert any(r.get("publish_failed") for r in records)
     assert records[-1]["publish_failures"] >= 1
     # after the outage the engine caught up, and every version it applied is the trainer's
-    assert applied and all(applied.values()), applied
-    assert max(applied) >= 2
-    assert max(published) > 1  # a version was published after the outage
+    assert sync.applied and all(sync.applied.values()), sync.applied
+    assert max(sync.applied) >= 2
+    assert max(sync.published) > 1  # a version was published after the outage
 
 
 def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, monkeypatch) -> None:
@@ -283,26 +284,18 @@ def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, mon
 
     monkeypatch.setattr(rl_module, "run_episode", run_episode)
     groups: list[int] = []
-    run = RLRun(
-        build_model(TINY, ByteTokenizer()),
-        rl=RLConfig(
-            mode="async",
-            steps=2,
-            group_size=3,
-            groups_per_step=1,
-            max_staleness=1,
-            rollout_workers=1,  # the one worker is held by the stuck group until it is cut
-            checkpoint_every=2,
-        ),
-        trainer=TrainerConfig(lr=1e-2, routing_check_rows=0),
-        engine=ENGINE,
-        env=EnvSettings(
-            max_turns=1, allow_unsandboxed=True, episode_wall_s=2.0, grade_timeout_s=1.0
-        ),
-        tasks=TaskSource(TaskConfig(), 1),
-        run_dir=tmp_path,
-        hooks=RunHooks(reward=_parity, on_group=lambda g: groups.append(len(g.samples))),
+    rl = RLConfig(
+        mode="async",
+        steps=2,
+        group_size=3,
+        groups_per_step=1,
+        max_staleness=1,
+        rollout_workers=1,  # the one worker is held by the stuck group until it is cut
+        checkpoint_every=2,
     )
+    env = EnvSettings(max_turns=1, allow_unsandboxed=True, episode_wall_s=2.0, grade_timeout_s=1.0)
+    hooks = RunHooks(reward=_parity, on_group=lambda g: groups.append(len(g.samples)))
+    run = _tiny_run(tmp_path, rl, hooks, env=env)
     summary = run.run()
     assert summary.steps_done == 2
     assert stuck == {"started": 1, "released": 1}  # cut, and its engine slot given back

@@ -14,22 +14,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# run as a script, so this directory is on sys.path: the tests' tiny policy config
+from conftest import TINY
 from tandem.delta_sync import LocalStore
-from tandem.orchestrator.config import ModelConfig
 from tandem.orchestrator.policy import build_model
 from tandem.orchestrator.tokenizer import ByteTokenizer
 from tandem.orchestrator.weights import WeightPublisher, state_for_sync
-
-TINY = ModelConfig(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    moe_intermediate_size=32,
-    num_experts=4,
-    kv_split_size=16,
-)
 
 
 def main(out_dir: str, store_dir: str) -> None:

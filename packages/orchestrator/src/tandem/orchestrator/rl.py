@@ -169,6 +169,7 @@ class RLRun:
         self.busy_s = self.wait_s = 0.0
         self._published = asyncio.Event()
         self._trainer_busy = asyncio.Lock()  # held while the trainer's weights may change
+        self._publish_failed = asyncio.Event()
         self.pull_failures = 0
         self.episodes_cut = 0
 
@@ -262,19 +263,23 @@ class RLRun:
                 self._published.set()  # try again (a newer version may be there by then)
 
     async def _republish(self) -> None:
-        """While the store fails, retry publishing the trainer's current version between
-        trainer steps (the trainer may be waiting for data that only fresh weights give)."""
-        delay = _RETRY_S
+        """Async mode: after a failed publish, retry it between trainer steps (the trainer may
+        be waiting for data that only fresh weights give)."""
         while True:
+            await self._publish_failed.wait()
+            self._publish_failed.clear()
+            await self._publish_pending()
+
+    async def _publish_pending(self) -> None:
+        """Retry a failed publish with backoff until it is out; each try publishes the
+        trainer's current version, while its weights cannot change."""
+        delay = _RETRY_S
+        while self.publisher.pending is not None:
             await asyncio.sleep(delay)
-            if self.publisher.pending is None:
-                delay = _RETRY_S
-                continue
+            delay = min(2 * delay, _RETRY_MAX_S)
             async with self._trainer_busy:
-                report = await asyncio.to_thread(self._publish)
-            if report is not None:
-                self._published.set()
-            delay = _RETRY_S if report is not None else min(2 * delay, _RETRY_MAX_S)
+                if await asyncio.to_thread(self._publish) is not None:
+                    self._published.set()
 
     def _publish(self) -> Any:
         """Publish the trainer's version (in a worker thread); None when the store failed
@@ -420,6 +425,8 @@ class RLRun:
                 self.busy_s += stats["train_s"]
                 if report is not None and self.rl.mode == "async":
                     self._published.set()
+                if stats.get("publish_failed"):
+                    self._publish_failed.set()
                 stats = self._step_metrics(groups, stats, report, t_wait)
                 now = time.perf_counter()
                 stats["rollout_tokens_per_s"] = (
@@ -427,11 +434,7 @@ class RLRun:
                 ) / max(now - rollout_t0, 1e-9)
                 stats["elapsed_s"] = now - t_start
                 if self.rl.mode == "sync" and stats.get("step_applied"):
-                    delay = _RETRY_S
-                    while self.publisher.pending is not None:  # no rollout before it is out
-                        await asyncio.sleep(delay)
-                        delay = min(2 * delay, _RETRY_MAX_S)
-                        await asyncio.to_thread(self._publish)
+                    await self._publish_pending()  # no rollout before the version is out
                     await self.server.pull(self.subscriber)
                     while self.engine.version != self.trainer.policy_version:
                         await asyncio.sleep(0.002)
