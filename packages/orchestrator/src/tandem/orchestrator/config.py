@@ -104,6 +104,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``update_mid_rollout``: apply a new policy version between any two decoding steps, even
     in the middle of a turn (each token is tagged with the version that produced it); when
     false, only at a step where no turn is being generated (episodes may still span versions).
+    ``stop_malformed``: end a turn at the first token after which it can no longer become a
+    well-formed call of a known tool (`CallPrefix`), instead of decoding to the token budget.
     """
 
     max_slots: int = 32
@@ -112,6 +114,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float = 1.0
     deterministic: bool = True
     update_mid_rollout: bool = True
+    stop_malformed: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_slots >= 1, "max_slots", "must be >= 1")

@@ -70,6 +70,7 @@ class _Active:
     to_feed: list[int]
     max_new_tokens: int
     generator: torch.Generator
+    keep_going: Callable[[int], bool] | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -147,9 +148,18 @@ class InferenceEngine:
 
     # -- requests --------------------------------------------------------------------------
     def submit(
-        self, slot: int, feed: list[int], generator: torch.Generator, max_new_tokens: int
+        self,
+        slot: int,
+        feed: list[int],
+        generator: torch.Generator,
+        max_new_tokens: int,
+        keep_going: Callable[[int], bool] | None = None,
     ) -> None:
-        """Queue a turn: feed ``feed`` into ``slot``'s cache, then sample until the stop token."""
+        """Queue a turn: feed ``feed`` into ``slot``'s cache, then sample until the stop token.
+
+        ``keep_going``: called with each sampled token; the turn also ends (as truncated)
+        at the first token for which it returns False.
+        """
         if not feed:
             raise EngineError("a turn must feed at least one token")
         room = self.config.max_len - self.context_length(slot) - len(feed)
@@ -158,7 +168,9 @@ class InferenceEngine:
                 f"slot {slot}: {len(feed)} new tokens do not fit in the context "
                 f"({self.context_length(slot)} of {self.config.max_len} used)"
             )
-        request = _Active(slot, list(feed), max(1, min(max_new_tokens, room)), generator)
+        request = _Active(
+            slot, list(feed), max(1, min(max_new_tokens, room)), generator, keep_going
+        )
         with self._lock:
             self._incoming.append(request)
 
@@ -241,7 +253,8 @@ class InferenceEngine:
             a.min_version = min(a.min_version, self.version)
             a.max_version = max(a.max_version, self.version)
             full = self.context_length(a.slot) + 1 >= self.config.max_len
-            if tok == self.stop_id or len(a.tokens) >= a.max_new_tokens or full:
+            cut = a.keep_going is not None and not a.keep_going(tok)
+            if tok == self.stop_id or len(a.tokens) >= a.max_new_tokens or full or cut:
                 finished.append((a.slot, self._finish(a, truncated=tok != self.stop_id)))
             else:
                 a.to_feed = [tok]

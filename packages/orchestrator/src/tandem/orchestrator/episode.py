@@ -23,6 +23,7 @@ import torch
 
 from tandem.agent_env import Env, EnvConfig, Task
 from tandem.agent_env import ToolCall as EnvToolCall
+from tandem.orchestrator.call_prefix import CallPrefix, tool_arguments
 from tandem.orchestrator.chat_format import ChatFormat, ToolCallFormatError
 from tandem.orchestrator.server import EngineServer
 
@@ -110,14 +111,20 @@ async def run_episode(
     max_new_tokens: int,
     max_observation_chars: int,
     generator: torch.Generator,
+    stop_malformed: bool = True,
 ) -> Sample:
-    """Play ``task`` to the end with the engine's current policy and return the scored sample."""
+    """Play ``task`` to the end with the engine's current policy and return the scored sample.
+
+    ``stop_malformed``: end each turn at its first token that rules out a well-formed call
+    (`CallPrefix`); the turn then fails to parse as it would have at the token budget.
+    """
     t0 = time.monotonic()
     env = Env(task, env_config)
     slot = await server.acquire()
     engine = server.engine
     try:
         await env.reset()
+        tools = tool_arguments(env.tool_schemas())
         prompt, _ = chat.render(env.messages, add_generation_prompt=True)
         tokens, mask = list(prompt), [0] * len(prompt)
         logprobs, versions = [0.0] * len(prompt), [-1] * len(prompt)
@@ -127,7 +134,8 @@ async def run_episode(
         format_errors = 0
         termination = ""
         while True:
-            out = await server.generate(slot, feed, generator, max_new_tokens)
+            check = CallPrefix(chat, tools).push if stop_malformed else None
+            out = await server.generate(slot, feed, generator, max_new_tokens, check)
             routes.append(out.routes)
             lo, hi = min(lo, out.min_version), max(hi, out.max_version)
             tokens += out.tokens

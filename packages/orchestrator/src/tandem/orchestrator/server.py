@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -46,11 +47,16 @@ class EngineServer:
         self._slots.release()
 
     async def generate(
-        self, slot: int, feed: list[int], generator: torch.Generator, max_new_tokens: int
+        self,
+        slot: int,
+        feed: list[int],
+        generator: torch.Generator,
+        max_new_tokens: int,
+        keep_going: Callable[[int], bool] | None = None,
     ) -> TurnOutput:
         fut: asyncio.Future[TurnOutput] = asyncio.get_running_loop().create_future()
         self._futures[slot] = fut
-        self.engine.submit(slot, feed, generator, max_new_tokens)
+        self.engine.submit(slot, feed, generator, max_new_tokens, keep_going)
         self._wake.set()
         return await fut
 
