@@ -20,7 +20,7 @@ from tandem.orchestrator.episode import (
 )
 from tandem.orchestrator.evaluate import pass_at_k
 from tandem.orchestrator.trainer import collate
-from tandem.orchestrator.transcripts import condense, minimal_edit, render_transcript
+from tandem.orchestrator.transcripts import condense, fit_turns, minimal_edit, render_transcript
 
 
 def test_generated_call_becomes_agent_env_call(chat) -> None:
@@ -100,6 +100,17 @@ def test_condensed_transcript_matches_a_shorter_episode(chat) -> None:
     expected, expected_mask = chat.render(condensed[:-1])  # nothing after the final call
     assert ids == expected and mask == expected_mask
     assert ids[-1] == chat.end_id and mask[-1] == 1
+
+
+def test_transcripts_fit_the_turn_budget() -> None:
+    msgs = condense(_messages(), ["list_dir"])  # read_file, submit
+    assert fit_turns(msgs, 2) == msgs
+    # the closing submit beyond the budget is dropped: the env grades at the limit anyway
+    cut = fit_turns(msgs, 1)
+    assert cut is not None and [m["role"] for m in cut] == ["system", "user", "assistant", "tool"]
+    # a budget that ends before a call which changes the outcome: no transcript
+    assert fit_turns(_messages(), 1) is None
+    assert fit_turns(msgs, 0) is None
 
 
 def test_collate_pads_and_aligns(chat) -> None:

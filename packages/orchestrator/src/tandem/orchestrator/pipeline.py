@@ -74,6 +74,7 @@ def midtrain(
         max_observation_chars=env.max_observation_chars,
         skip_tools=mid.skip_tools,
         edit_min_chars=mid.edit_min_chars,
+        max_turns=env.max_turns,
         cache=run_dir / "cache" / "oracle_transcripts.json",
     )
     transcripts = [(ids, mask) for ids, mask in transcripts if len(ids) <= engine.max_len]
@@ -133,6 +134,7 @@ def evaluate_policy(
                 env_config(env),
                 samples_per_task=samples,
                 max_new_tokens=engine.max_new_tokens,
+                stop_malformed=engine.stop_malformed,
                 max_observation_chars=env.max_observation_chars,
                 seed=seed,
                 ks=ks,

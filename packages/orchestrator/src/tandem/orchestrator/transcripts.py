@@ -45,6 +45,24 @@ def condense(messages: Sequence[dict[str, Any]], skip_tools: Sequence[str]) -> l
     return out
 
 
+def fit_turns(messages: Sequence[dict[str, Any]], max_turns: int) -> list[dict[str, Any]] | None:
+    """The episode as a policy with ``max_turns`` calls would play it, or None if it cannot.
+
+    The environment grades an episode when its turn budget runs out, so a closing `submit`
+    beyond the budget changes nothing: it is dropped. Any other call beyond the budget means
+    the oracle needed more turns than the policy has, and the transcript would not solve the
+    task within them (None).
+    """
+    calls = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if len(calls) <= max_turns:
+        return list(messages)
+    for i in calls[max_turns:]:
+        names = [c["function"]["name"] for c in messages[i].get("tool_calls") or []]
+        if names != ["submit"]:
+            return None
+    return list(messages[: calls[max_turns]])
+
+
 def render_transcript(
     chat: ChatFormat,
     messages: Sequence[dict[str, Any]],
@@ -120,6 +138,13 @@ class MinimalEditOracle:
         return msgspec.structs.replace(call, arguments=json.dumps(args))
 
 
+def _condensed(
+    trajectory: Trajectory, skip_tools: Sequence[str], max_turns: int | None
+) -> list[dict[str, Any]] | None:
+    msgs = condense(trajectory.messages, skip_tools)
+    return msgs if max_turns is None else fit_turns(msgs, max_turns)
+
+
 async def _play(
     tasks: Sequence[Task], config: EnvConfig, concurrency: int, edit_min_chars: int
 ) -> list[Trajectory]:
@@ -136,9 +161,13 @@ def oracle_transcripts(
     concurrency: int = 32,
     skip_tools: Sequence[str] = (),
     edit_min_chars: int = 10,
+    max_turns: int | None = None,
     cache: str | Path | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """Rendered transcripts of the oracle on ``tasks`` (only resolved episodes are kept).
+
+    ``max_turns``: the policy's turn budget; transcripts are cut to it (`fit_turns`) and
+    those that need more turns are left out.
 
     ``cache``: a file to reuse between runs; it is keyed by the task ids and settings.
     """
@@ -151,6 +180,7 @@ def oracle_transcripts(
             "skip": list(skip_tools),
             "format": chat.VERSION,
             "oracle": f"minimal-edit-{edit_min_chars}",
+            "max_turns": max_turns,
         }
     )
     path = Path(cache) if cache is not None else None
@@ -162,7 +192,10 @@ def oracle_transcripts(
     kept = [t for t in trajectories if t.resolved]
     if len(kept) < len(trajectories):
         log.warning("midtrain.oracle_failures", failed=len(trajectories) - len(kept))
-    items = [render_transcript(chat, t.messages, max_observation_chars, skip_tools) for t in kept]
+    fitted = [m for m in (_condensed(t, skip_tools, max_turns) for t in kept) if m is not None]
+    if len(fitted) < len(kept):
+        log.warning("midtrain.transcripts_over_turn_budget", dropped=len(kept) - len(fitted))
+    items = [render_transcript(chat, m, max_observation_chars) for m in fitted]
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(msgspec.json.encode({"key": key.decode(), "items": items}))
