@@ -112,6 +112,11 @@ class Attention(nn.Module):
             vc[slot_of, :, layout.positions] = v.to(vc.dtype)
             kv_len = layout.offsets + layout.counts
             tk = int(kv_len.max())
+            if is_batch_invariant():
+                # Whole KV splits straight from the cache: keys past a row's length are
+                # masked either way, and the split kernel then needs no padded copy.
+                split = cfg.kv_split_size
+                tk = min(-(-tk // split) * split, kc.shape[2])
             keys, values = kc[layout.slots, :, :tk], vc[layout.slots, :, :tk]
         else:
             kv_len = layout.counts

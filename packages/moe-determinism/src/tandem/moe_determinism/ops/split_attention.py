@@ -207,6 +207,11 @@ def _attention_cpu(
     and -inf to the row max, exactly as when it was computed and masked; so the result is
     bit for bit that of the dense grid, while a causal prefill does about half the work.
     Each computed pair is still one fixed-shape [Q_BLOCK, D] @ [D, split] GEMM.
+
+    When every row fits in one block (decoding: a KV head's few query heads), the work after
+    each GEMM is done on the real rows only: row-wise operations give a row the same bits
+    whichever other rows they run with, and the second GEMM gets its padding rows back as
+    zeros, keeping its fixed shape.
     """
     b, hq, tq, d = q.shape
     hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -216,6 +221,7 @@ def _attention_cpu(
     n_rb = max(1, -(-rows // Q_BLOCK))
     n_sp = max(1, -(-tk // split))
     rows_p, keys_p = n_rb * Q_BLOCK, n_sp * split
+    live = rows if n_rb == 1 else Q_BLOCK  # rows of each block worth computing past a GEMM
     dev = q.device
 
     # Which pairs to compute: a block is active for a split if its widest row reaches into it.
@@ -230,16 +236,17 @@ def _attention_cpu(
     head_of = block_of // n_rb  # flat (b, hkv)
     kv_block_of = head_of * n_sp + sp_of  # flat (b, hkv, split)
     row_limit = limit.view(b, 1, n_rb, Q_BLOCK).expand(b, hkv, n_rb, Q_BLOCK)
-    row_limit = row_limit.reshape(-1, Q_BLOCK).index_select(0, block_of)  # [n_act, Q_BLOCK]
+    row_limit = row_limit.reshape(-1, Q_BLOCK)[:, :live].index_select(0, block_of)
 
     # Query rows of one KV head: (head in group, query) flattened, zero-padded to whole blocks.
     qr = F.pad(q.reshape(b, hkv, rows, d), (0, 0, 0, rows_p - rows)).reshape(-1, Q_BLOCK, d)
-    kp = F.pad(k, (0, 0, 0, keys_p - tk)).reshape(-1, split, d)
-    vp = F.pad(v, (0, 0, 0, keys_p - tk)).reshape(-1, split, dv)
+    if keys_p > tk:
+        k, v = F.pad(k, (0, 0, 0, keys_p - tk)), F.pad(v, (0, 0, 0, keys_p - tk))
+    kp, vp = k.reshape(-1, split, d), v.reshape(-1, split, dv)
     q_blk = _GatherBlocks.apply(qr, block_of)
     k_blk = _GatherBlocks.apply(kp, kv_block_of)
     scores = fixed_shape_bmm(q_blk, k_blk.transpose(1, 2))  # fixed [Q_BLOCK, D] @ [D, split]
-    scores = scores.to(acc_dtype) * scale
+    scores = scores[:, :live].to(acc_dtype) * scale
     keys = sp_of[:, None] * split + torch.arange(split, device=dev)[None, :]
     scores = scores.masked_fill(keys[:, None, :] >= row_limit[:, :, None], float("-inf"))
 
@@ -247,15 +254,18 @@ def _attention_cpu(
     # autograd: softmax does not depend on the shift, so its gradient through it is zero.
     blocks = b * hkv * n_rb
     with torch.no_grad():
-        m = scores.new_full((blocks * n_sp, Q_BLOCK), float("-inf"))
+        m = scores.new_full((blocks * n_sp, live), float("-inf"))
         m.index_copy_(0, pair, scores.amax(-1))
-        m = m.view(blocks, n_sp, Q_BLOCK).amax(1)
+        m = m.view(blocks, n_sp, live).amax(1)
     p = torch.exp(scores - m.index_select(0, block_of)[:, :, None])
 
     # Per-split fixed sums and partial outputs, reduced over splits by the dense grid's tree.
     denom = _SplitTreeSum.apply(fixed_sum(p, -1), pair, block_of, blocks, n_sp)
     v_blk = _GatherBlocks.apply(vp, kv_block_of)
-    partial = fixed_shape_bmm(p.to(q.dtype), v_blk).to(acc_dtype)  # [n_act, Q_BLOCK, dv]
+    p_blk = p.to(q.dtype)
+    if live < Q_BLOCK:  # the second GEMM keeps its fixed shape: padding rows back, as zeros
+        p_blk = F.pad(p_blk, (0, 0, 0, Q_BLOCK - live))
+    partial = fixed_shape_bmm(p_blk, v_blk)[:, :live].to(acc_dtype)  # [n_act, live, dv]
     out = _SplitTreeSum.apply(partial, pair, block_of, blocks, n_sp) / denom[..., None]
-    out = out.view(b, hkv, rows_p, dv)[:, :, :rows]
+    out = out.view(b, hkv, n_rb * live, dv)[:, :, :rows]
     return out.reshape(b, hq, tq, dv).to(q.dtype)
