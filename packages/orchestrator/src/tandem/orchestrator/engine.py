@@ -20,6 +20,7 @@ episodes (``update_mid_rollout``).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -213,7 +214,13 @@ class InferenceEngine:
 
     # -- decoding --------------------------------------------------------------------------
     def step(self) -> list[tuple[int, TurnOutput]]:
-        """One forward over every active sequence; returns the turns that finished."""
+        """One decoding step of every active sequence; returns the turns that finished.
+
+        Sequences that are decoding (one token to feed) and those that are prefilling (a
+        prompt or an observation) run as separate forwards: in one batch every sequence would
+        be padded to the longest feed, so a single prefill would make each decoding sequence
+        pay for hundreds of query rows. Under `batch_invariant()` the split changes no bit.
+        """
         with self._lock:
             may_update = self._pending is not None and (
                 self.config.update_mid_rollout or not self._active
@@ -227,38 +234,51 @@ class InferenceEngine:
             active = list(self._active.values())
         if not active:
             return []
-        feeds = [a.to_feed for a in active]
+        decoding = [a for a in active if len(a.to_feed) == 1]
+        prefilling = [a for a in active if len(a.to_feed) > 1]
+        results = []
+        for batch in (decoding, prefilling):
+            if batch:
+                results += zip(batch, *self._forward(batch), strict=True)
+        return [done for done in map(self._advance, results) if done is not None]
+
+    def _forward(self, batch: list[_Active]) -> tuple[list[np.ndarray], list[int], list[float]]:
+        """One forward over ``batch``: each request's routes, sampled token and its log-prob."""
+        feeds = [a.to_feed for a in batch]
         flat = torch.tensor([t for f in feeds for t in f], dtype=torch.long)
         counts = [len(f) for f in feeds]
         cu = torch.tensor([0, *np.cumsum(counts).tolist()], dtype=torch.long)
-        slots = torch.tensor([a.slot for a in active], dtype=torch.long)
+        slots = torch.tensor([a.slot for a in batch], dtype=torch.long)
         t0 = time.perf_counter()
         with torch.no_grad(), batch_invariant(self.config.deterministic):
             out = self.model(flat, cu_seqlens=cu, cache=self.cache, slots=slots)
             last = out.logits[cu[1:] - 1]
-            tokens, logprobs = self._sample(last, active)
+            tokens, logprobs = self._sample(last, batch)
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.forward_passes += 1
         self.stats.tokens_fed += int(flat.numel())
-        self.stats.tokens_sampled += len(active)
+        self.stats.tokens_sampled += len(batch)
         routes = out.route_ids.to(torch.uint8 if out.num_experts <= 256 else torch.int32).numpy()
-        finished: list[tuple[int, TurnOutput]] = []
-        start = 0
-        for a, n, tok, lp in zip(active, counts, tokens, logprobs, strict=True):
-            a.routes.append(routes[start : start + n])
-            start += n
-            a.tokens.append(tok)
-            a.logprobs.append(lp)
-            a.versions.append(self.version)
-            a.min_version = min(a.min_version, self.version)
-            a.max_version = max(a.max_version, self.version)
-            full = self.context_length(a.slot) + 1 >= self.config.max_len
-            cut = a.keep_going is not None and not a.keep_going(tok)
-            if tok == self.stop_id or len(a.tokens) >= a.max_new_tokens or full or cut:
-                finished.append((a.slot, self._finish(a, truncated=tok != self.stop_id)))
-            else:
-                a.to_feed = [tok]
-        return finished
+        bounds = cu.tolist()
+        return [routes[i:j] for i, j in itertools.pairwise(bounds)], tokens, logprobs
+
+    def _advance(
+        self, result: tuple[_Active, np.ndarray, int, float]
+    ) -> tuple[int, TurnOutput] | None:
+        """Record a request's new token; its finished turn, if this token ended it."""
+        a, routes, tok, lp = result
+        a.routes.append(routes)
+        a.tokens.append(tok)
+        a.logprobs.append(lp)
+        a.versions.append(self.version)
+        a.min_version = min(a.min_version, self.version)
+        a.max_version = max(a.max_version, self.version)
+        full = self.context_length(a.slot) + 1 >= self.config.max_len
+        cut = a.keep_going is not None and not a.keep_going(tok)
+        if tok == self.stop_id or len(a.tokens) >= a.max_new_tokens or full or cut:
+            return a.slot, self._finish(a, truncated=tok != self.stop_id)
+        a.to_feed = [tok]
+        return None
 
     def _sample(self, logits: torch.Tensor, active: list[_Active]) -> tuple[list[int], list[float]]:
         temperature = self.config.temperature
