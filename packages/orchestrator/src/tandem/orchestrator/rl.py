@@ -279,6 +279,8 @@ class RLRun:
             await asyncio.sleep(delay)
             delay = min(2 * delay, _RETRY_MAX_S)
             async with self._trainer_busy:
+                if self.publisher.pending is None:
+                    break  # the trainer's own publish got it out while this one waited
                 if await asyncio.to_thread(self._publish) is not None:
                     self._published.set()
 
