@@ -177,3 +177,63 @@ def test_trailing_or_missing_bytes_stop_or_fail_at_the_close(raw: str) -> None:
     ids = turn("", "read_file", raw)
     assert not acceptable(ids)
     assert first_stop(ids) is not None
+
+
+def _generated_turns(sample) -> list[list[int]]:
+    turns, cur = [], []
+    for tok, m in zip(sample.tokens, sample.loss_mask, strict=True):
+        if m:
+            cur.append(tok)
+        elif cur:
+            turns.append(cur)
+            cur = []
+    return [*turns, cur] if cur else turns
+
+
+def test_episodes_follow_the_engine_setting(chat, tiny_policy, make_engine) -> None:
+    """With ``stop_malformed`` a turn's first rejected token is its last; without, it is not."""
+    import asyncio
+
+    from tandem.agent_env import EnvConfig, generate_tasks
+    from tandem.orchestrator.episode import episode_generator, run_episode
+    from tandem.orchestrator.server import EngineServer
+
+    task = generate_tasks(seed=0, n=1)[0]
+    config = EnvConfig(max_turns=3, allow_unsandboxed=True)
+
+    def play(stop: bool) -> list:
+        engine = make_engine(tiny_policy, max_len=2048, max_new_tokens=24, stop_malformed=stop)
+
+        async def go() -> list:
+            server = EngineServer(engine)
+            serve = asyncio.create_task(server.serve())
+            try:
+                return list(
+                    await asyncio.gather(
+                        *(
+                            run_episode(
+                                server,
+                                chat,
+                                task,
+                                config,
+                                max_new_tokens=24,
+                                max_observation_chars=200,
+                                generator=episode_generator(0, j),
+                            )
+                            for j in range(6)
+                        )
+                    )
+                )
+            finally:
+                server.close()
+                await asyncio.gather(serve, return_exceptions=True)
+
+        return asyncio.run(go())
+
+    def stops(samples) -> list[tuple[int | None, int]]:
+        return [(first_stop(t), len(t)) for s in samples for t in _generated_turns(s)]
+
+    stopped = stops(play(True))
+    assert all(i is None or i == n - 1 for i, n in stopped)
+    assert any(i is not None for i, _ in stopped)  # the random policy does slip
+    assert any(i is not None and i < n - 1 for i, n in stops(play(False)))

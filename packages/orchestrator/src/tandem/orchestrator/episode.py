@@ -111,12 +111,12 @@ async def run_episode(
     max_new_tokens: int,
     max_observation_chars: int,
     generator: torch.Generator,
-    stop_malformed: bool = True,
 ) -> Sample:
     """Play ``task`` to the end with the engine's current policy and return the scored sample.
 
-    ``stop_malformed``: end each turn at its first token that rules out a well-formed call
-    (`CallPrefix`); the turn then fails to parse as it would have at the token budget.
+    With the engine's ``stop_malformed``, each turn ends at its first token that rules out a
+    well-formed call (`CallPrefix`); the turn then fails to parse as it would have at the
+    token budget.
     """
     t0 = time.monotonic()
     env = Env(task, env_config)
@@ -124,7 +124,7 @@ async def run_episode(
     engine = server.engine
     try:
         await env.reset()
-        tools = tool_arguments(env.tool_schemas())
+        tools = tool_arguments(env.tool_schemas()) if engine.config.stop_malformed else None
         prompt, _ = chat.render(env.messages, add_generation_prompt=True)
         tokens, mask = list(prompt), [0] * len(prompt)
         logprobs, versions = [0.0] * len(prompt), [-1] * len(prompt)
@@ -134,7 +134,7 @@ async def run_episode(
         format_errors = 0
         termination = ""
         while True:
-            check = CallPrefix(chat, tools).push if stop_malformed else None
+            check = CallPrefix(chat, tools).push if tools is not None else None
             out = await server.generate(slot, feed, generator, max_new_tokens, check)
             routes.append(out.routes)
             lo, hi = min(lo, out.min_version), max(hi, out.max_version)

@@ -71,7 +71,6 @@ async def evaluate(
     max_observation_chars: int,
     seed: int,
     ks: Sequence[int] = (1,),
-    stop_malformed: bool = True,
 ) -> tuple[EvalResult, list[list[Sample]]]:
     """Play every task ``samples_per_task`` times (seeded) and score pass@k."""
 
@@ -86,7 +85,6 @@ async def evaluate(
             tasks[i],
             env_config,
             max_new_tokens=max_new_tokens,
-            stop_malformed=stop_malformed,
             max_observation_chars=max_observation_chars,
             generator=episode_generator(seed, 7_777_777, i, j),
         )

@@ -134,7 +134,6 @@ def evaluate_policy(
                 env_config(env),
                 samples_per_task=samples,
                 max_new_tokens=engine.max_new_tokens,
-                stop_malformed=engine.stop_malformed,
                 max_observation_chars=env.max_observation_chars,
                 seed=seed,
                 ks=ks,

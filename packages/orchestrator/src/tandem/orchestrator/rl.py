@@ -188,7 +188,6 @@ class RLRun:
                         task,
                         self.env_config,
                         max_new_tokens=self.engine_cfg.max_new_tokens,
-                        stop_malformed=self.engine_cfg.stop_malformed,
                         max_observation_chars=self.env.max_observation_chars,
                         generator=episode_generator(self.seed, index, j),
                     ),

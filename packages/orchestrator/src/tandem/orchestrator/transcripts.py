@@ -138,13 +138,6 @@ class MinimalEditOracle:
         return msgspec.structs.replace(call, arguments=json.dumps(args))
 
 
-def _condensed(
-    trajectory: Trajectory, skip_tools: Sequence[str], max_turns: int | None
-) -> list[dict[str, Any]] | None:
-    msgs = condense(trajectory.messages, skip_tools)
-    return msgs if max_turns is None else fit_turns(msgs, max_turns)
-
-
 async def _play(
     tasks: Sequence[Task], config: EnvConfig, concurrency: int, edit_min_chars: int
 ) -> list[Trajectory]:
@@ -192,10 +185,12 @@ def oracle_transcripts(
     kept = [t for t in trajectories if t.resolved]
     if len(kept) < len(trajectories):
         log.warning("midtrain.oracle_failures", failed=len(trajectories) - len(kept))
-    fitted = [m for m in (_condensed(t, skip_tools, max_turns) for t in kept) if m is not None]
-    if len(fitted) < len(kept):
-        log.warning("midtrain.transcripts_over_turn_budget", dropped=len(kept) - len(fitted))
-    items = [render_transcript(chat, m, max_observation_chars) for m in fitted]
+    condensed = [condense(t.messages, skip_tools) for t in kept]
+    if max_turns is not None:
+        condensed = [m for m in (fit_turns(c, max_turns) for c in condensed) if m is not None]
+        if len(condensed) < len(kept):
+            log.warning("midtrain.transcripts_over_turn_budget", dropped=len(kept) - len(condensed))
+    items = [render_transcript(chat, m, max_observation_chars) for m in condensed]
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(msgspec.json.encode({"key": key.decode(), "items": items}))
