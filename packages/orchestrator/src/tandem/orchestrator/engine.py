@@ -194,11 +194,15 @@ class InferenceEngine:
     def apply_pending(self) -> Any:
         """Apply a staged version now (the caller guarantees no forward is running)."""
         with self._lock:
-            prepared, self._pending, self._pending_version = self._pending, None, None
+            prepared, self._pending = self._pending, None
         if prepared is None:
             return None
-        report = prepared.apply(self.state)
-        self.version = int(prepared.version)
+        try:
+            report = prepared.apply(self.state)
+            self.version = int(prepared.version)
+        finally:
+            # cleared only now: a pull waiting for it must not prepare from the old base
+            self._pending_version = None
         self.stats.updates += 1
         self.stats.pause_seconds.append(report.apply_seconds)
         if self.on_apply is not None:
