@@ -6,8 +6,8 @@ groups older than the staleness bound are dropped and never trained on, rollout 
 log-probs agree bit for bit on same-version samples, and a run killed with SIGKILL resumes
 from its last checkpoint with no repeated or skipped step.
 
-The episodes are real (sandbox, hidden tests); the reward is replaced by a parity of the
-generated tokens so that a random tiny policy still yields groups with different rewards.
+The episodes are real (sandbox, hidden tests); the reward is a parity of the generated
+tokens (`rl_helpers`).
 """
 
 from __future__ import annotations
@@ -23,71 +23,14 @@ import threading
 import time
 from pathlib import Path
 
-import torch
+from rl_helpers import ENGINE, TINY, WeightRecorder, parity, tiny_run
 
 from tandem.delta_sync import LocalStore, StoreError
 from tandem.orchestrator import rl as rl_module
-from tandem.orchestrator.config import (
-    EngineConfig,
-    EnvSettings,
-    ModelConfig,
-    RLConfig,
-    TaskConfig,
-    TrainerConfig,
-)
+from tandem.orchestrator import rollouts as rollouts_module
+from tandem.orchestrator.config import EnvSettings, RLConfig
 from tandem.orchestrator.metrics import read_metrics
-from tandem.orchestrator.policy import build_model
-from tandem.orchestrator.rl import RLRun, RunHooks
-from tandem.orchestrator.tasks import TaskSource
-from tandem.orchestrator.tokenizer import ByteTokenizer
-from tandem.orchestrator.weights import weights_equal
-
-TINY = ModelConfig(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    moe_intermediate_size=32,
-    num_experts=4,
-    kv_split_size=16,
-)
-ENGINE = EngineConfig(max_slots=8, max_len=1024, max_new_tokens=6)
-ENV = EnvSettings(max_turns=1, allow_unsandboxed=True)
-
-
-def _parity(sample) -> float:
-    return float(sum(sample.tokens[-len(sample.tokens) // 3 :]) % 2)
-
-
-class WeightRecorder:
-    """Hooks that keep every published state and check each engine update against it."""
-
-    def __init__(self) -> None:
-        self.published: dict[int, dict[str, torch.Tensor]] = {}
-        self.applied: dict[int, bool] = {}
-
-    def on_publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        self.published[version] = {k: v.clone() for k, v in state.items()}
-
-    def on_apply(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        # The trainer publishes version v before the engine can pull it.
-        self.applied[version] = weights_equal(state, self.published[version])
-
-
-def _tiny_run(
-    tmp_path: Path, rl: RLConfig, hooks: RunHooks, *, env: EnvSettings = ENV, check_rows: int = 0
-) -> RLRun:
-    return RLRun(
-        build_model(TINY, ByteTokenizer()),
-        rl=rl,
-        trainer=TrainerConfig(lr=1e-2, routing_check_rows=check_rows),
-        engine=ENGINE,
-        env=env,
-        tasks=TaskSource(TaskConfig(), 1),
-        run_dir=tmp_path,
-        hooks=hooks,
-    )
+from tandem.orchestrator.rl import RunHooks
 
 
 def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
@@ -97,7 +40,7 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         on_publish=sync.on_publish,
         on_engine_update=sync.on_apply,
         on_group=lambda g: group_versions.append(g.policy_version),
-        reward=_parity,
+        reward=parity,
     )
     rl = RLConfig(
         mode="async",
@@ -109,7 +52,7 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         rollout_workers=3,
         checkpoint_every=3,
     )
-    summary = _tiny_run(tmp_path, rl, hooks, check_rows=2).run()
+    summary = tiny_run(tmp_path, rl, hooks, check_rows=2).run()
 
     assert summary.steps_done == 3 and summary.policy_version == 3
     assert sorted(sync.published) == [1, 2, 3]
@@ -246,13 +189,13 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
         on_engine_update=sync.on_apply,
         on_step=on_step,
         on_group=on_group,
-        reward=_parity,
+        reward=parity,
     )
     rl = RLConfig(
         mode="async", steps=4, group_size=3, groups_per_step=1, max_staleness=1,
         rollout_workers=3, checkpoint_every=4,
     )  # fmt: skip
-    run = _tiny_run(tmp_path, rl, hooks)
+    run = tiny_run(tmp_path, rl, hooks)
     summary = run.run()
 
     assert summary.steps_done == 4 and summary.policy_version == 4
@@ -268,7 +211,7 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
 
 
 def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, monkeypatch) -> None:
-    real_run_episode = rl_module.run_episode
+    real_run_episode = rollouts_module.run_episode
     stuck = {"started": 0, "released": 0}
 
     async def run_episode(server, *args, **kwargs):
@@ -282,7 +225,7 @@ def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, mon
                 stuck["released"] += 1
         return await real_run_episode(server, *args, **kwargs)
 
-    monkeypatch.setattr(rl_module, "run_episode", run_episode)
+    monkeypatch.setattr(rollouts_module, "run_episode", run_episode)
     groups: list[int] = []
     rl = RLConfig(
         mode="async",
@@ -294,11 +237,11 @@ def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, mon
         checkpoint_every=2,
     )
     env = EnvSettings(max_turns=1, allow_unsandboxed=True, episode_wall_s=2.0, grade_timeout_s=1.0)
-    hooks = RunHooks(reward=_parity, on_group=lambda g: groups.append(len(g.samples)))
-    run = _tiny_run(tmp_path, rl, hooks, env=env)
+    hooks = RunHooks(reward=parity, on_group=lambda g: groups.append(len(g.samples)))
+    run = tiny_run(tmp_path, rl, hooks, env=env)
     summary = run.run()
     assert summary.steps_done == 2
     assert stuck == {"started": 1, "released": 1}  # cut, and its engine slot given back
     assert read_metrics(tmp_path / "metrics.jsonl")[-1]["episodes_cut"] == 1
     assert groups and all(n == 3 for n in groups)  # no partial group reached the trainer
-    assert run.engine.free_slots == ENGINE.max_slots
+    assert run.rollouts.engine.free_slots == ENGINE.max_slots

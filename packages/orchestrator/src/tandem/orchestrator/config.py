@@ -162,6 +162,37 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(len(self.betas) == 2, "betas", "must be two numbers")
 
 
+class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``ray`` backend: rollout actors on a Ray cluster.
+
+    ``address``: the cluster to join (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``); empty
+    starts a cluster in this process with ``num_cpus`` CPUs (0: all of the machine's).
+    ``workers``: rollout actors at start, each one engine with its own weight subscriber,
+    declaring ``worker_cpus`` / ``worker_gpus``. ``pull_from``: the store URL the actors
+    pull weights from when it is not the one the trainer publishes to (a region's relay).
+    ``poll_s``: how often an actor looks for a new version without being told.
+    ``replace_lost``: start a new actor when one dies, keeping the pool at its size.
+    """
+
+    address: str = ""
+    num_cpus: int = 0
+    workers: int = 2
+    worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
+    torch_threads: int = 0
+    pull_from: str = ""
+    poll_s: float = 2.0
+    replace_lost: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.workers >= 1, "workers", "must be >= 1")
+        _require(self.worker_cpus >= 0, "worker_cpus", "must be >= 0")
+        _require(self.worker_gpus >= 0, "worker_gpus", "must be >= 0")
+        _require(self.num_cpus >= 0, "num_cpus", "must be >= 0 (0: all CPUs)")
+        _require(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0: torch's default)")
+        _require(self.poll_s > 0, "poll_s", "must be > 0")
+
+
 class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The asynchronous (or synchronous) GRPO stage.
 
@@ -169,10 +200,12 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     is then 0 by construction). ``max_staleness``: a group produced by policy version v is
     trained on only while trainer_version - v <= max_staleness. ``rollout_workers``: groups in
     flight at once. ``max_ahead``: how many trainer steps rollouts may start ahead
-    (0: max_staleness + 1, the bound that keeps drops rare).
+    (0: max_staleness + 1, the bound that keeps drops rare). ``backend``: where the engines
+    run, ``local`` (one in this process) or ``ray`` (rollout actors, see `RayConfig`).
     """
 
     mode: Literal["async", "sync"] = "async"
+    backend: Literal["local", "ray"] = "local"
     steps: int = 20
     group_size: int = 4
     groups_per_step: int = 4
@@ -186,6 +219,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weights_store: str = ""
     eval_tasks: int = 32
     eval_samples: int = 1
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", "must be >= 1")

@@ -171,6 +171,7 @@ def reinforce(
     progress: bool = False,
     max_wall_s: float | None = None,
     hooks: RunHooks | None = None,
+    name: str | None = None,
 ) -> RunSummary:
     """The RL stage on training tasks ``task_offset..`` of ``tasks.train_seed``."""
     run = RLRun(
@@ -185,5 +186,6 @@ def reinforce(
         hooks=hooks,
         progress=progress,
         max_wall_s=max_wall_s,
+        name=name,
     )
     return run.run()

@@ -11,6 +11,11 @@ trainer_version - v <= max_staleness; workers start a group only while fewer tha
 ``sync`` mode alternates: play a step's groups with the current weights, train, publish,
 pull, repeat (no overlap, staleness 0).
 
+Where the engines run is the backend's business: ``local`` keeps one engine in this process
+(`LocalRollouts`); ``ray`` spreads them over rollout actors on a Ray cluster
+(`RayRollouts`), each following the weight store by itself. A group lost with its actor is
+played again from the start by another one; nothing partial reaches the trainer.
+
 A failing weight store delays sync without stopping anything: a publish that fails leaves
 the version pending and is retried with backoff between trainer steps; the engine keeps
 serving the weights it has (its groups age, and past the staleness bound are dropped and
@@ -29,6 +34,7 @@ with no repeated or skipped step, on a fresh weight stream.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,26 +44,27 @@ from typing import Any
 import structlog
 import torch
 
-from tandem.agent_env import SandboxError
-from tandem.delta_sync import StoreError, warm_up
+from tandem.delta_sync import warm_up
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.buffer import Group, StalenessBuffer
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.checkpoint import CheckpointManager
 from tandem.orchestrator.config import EngineConfig, EnvSettings, RLConfig, TrainerConfig
 from tandem.orchestrator.engine import InferenceEngine
-from tandem.orchestrator.episode import Sample, episode_generator, run_episode
+from tandem.orchestrator.episode import Sample
 from tandem.orchestrator.metrics import MetricsLog
 from tandem.orchestrator.policy import clone_model
-from tandem.orchestrator.server import EngineServer
+from tandem.orchestrator.rollouts import LocalRollouts, PlayedGroup, RolloutStats, WorkerLost
 from tandem.orchestrator.step_log import StepProgress, log_step
-from tandem.orchestrator.tasks import TaskSource, env_config
+from tandem.orchestrator.tasks import TaskSource
 from tandem.orchestrator.trainer import RLTrainer
 from tandem.orchestrator.weights import WeightPublisher, state_for_sync, stream_store
 
 log = structlog.get_logger()
 
-StepCallback = Callable[[int, dict[str, Any]], None]
+StepCallback = Callable[[int, dict[str, Any]], Any]
+"""Called with (step, metrics) after each step; a returned awaitable is awaited before the
+next step."""
 _RETRY_S, _RETRY_MAX_S = 0.5, 5.0  # backoff while the weight store fails
 
 
@@ -114,8 +121,10 @@ class RLRun:
         hooks: RunHooks | None = None,
         progress: bool = False,
         max_wall_s: float | None = None,
+        name: str | None = None,
     ) -> None:
         self.policy = policy
+        self.name = name or Path(run_dir).name  # names the run's Ray actors
         self.rl, self.trainer_cfg, self.engine_cfg, self.env = rl, trainer, engine, env
         self.tasks = tasks
         self.run_dir = Path(run_dir)
@@ -124,7 +133,6 @@ class RLRun:
         self.progress = progress
         self.max_wall_s = max_wall_s
         self.chat = ChatFormat()
-        self.env_config = env_config(env)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=rl.keep_checkpoints)
 
     # -- setup -----------------------------------------------------------------------------
@@ -144,20 +152,12 @@ class RLRun:
             log.info(
                 "rl.resumed", step=self.step, policy_version=meta.policy_version, stream=self.stream
             )
-        engine_model = clone_model(self.policy)
-        self.engine = InferenceEngine(
-            engine_model,
-            self.engine_cfg,
-            stop_id=self.chat.end_id,
-            version=self.trainer.policy_version,
-        )
         self.publisher = WeightPublisher(
             stream_store(self.rl.weights_store, self.run_dir, self.stream),
             anchor_every=self.rl.anchor_every,
         )
         self.publisher.publish(self.trainer.policy_version, self.policy)
-        self.subscriber = self.publisher.subscriber(self.trainer.policy_version)
-        self.server = EngineServer(self.engine)
+        self.rollouts = self._make_rollouts()
         max_staleness = 0 if self.rl.mode == "sync" else self.rl.max_staleness
         self.buffer: StalenessBuffer[Sample] = StalenessBuffer(
             max_staleness, self.rl.buffer_capacity
@@ -167,56 +167,65 @@ class RLRun:
         self.started = 0
         self.trajectories = 0
         self.busy_s = self.wait_s = 0.0
-        self._published = asyncio.Event()
+        self._requeued: list[int] = []  # groups lost with their rollout worker, to play again
+        self.requeued_total = 0
         self._trainer_busy = asyncio.Lock()  # held while the trainer's weights may change
         self._publish_failed = asyncio.Event()
-        self.pull_failures = 0
         self.episodes_cut = 0
 
-    # -- rollouts ----------------------------------------------------------------------------
-    async def _play_group(self, index: int) -> Group[Sample] | None:
-        task = self.tasks[index]
-        # An episode still running past its wall budget plus grading has overrun every limit
-        # it has (a stalled sandbox or engine): it is cut, counted, and its group dropped.
-        budget = self.env.episode_wall_s + self.env.grade_timeout_s
-        results = await asyncio.gather(
-            *(
-                asyncio.wait_for(
-                    run_episode(
-                        self.server,
-                        self.chat,
-                        task,
-                        self.env_config,
-                        max_new_tokens=self.engine_cfg.max_new_tokens,
-                        max_observation_chars=self.env.max_observation_chars,
-                        generator=episode_generator(self.seed, index, j),
-                    ),
-                    timeout=budget,
-                )
-                for j in range(self.rl.group_size)
-            ),
-            return_exceptions=True,
-        )
-        cut = sum(isinstance(r, TimeoutError) for r in results)
-        if cut:
-            self.episodes_cut += cut
-            log.warning(
-                "rl.group_dropped", reason=f"{cut} episodes past {budget:g} s", task=task.id
+    def _make_rollouts(self) -> Any:
+        version = self.trainer.policy_version
+        if self.rl.backend == "ray":
+            from tandem.orchestrator.ray_backend import RayRollouts, WorkerSpec
+
+            spec = WorkerSpec(
+                model=self.policy.config,
+                engine=self.engine_cfg,
+                env=self.env,
+                tasks=self.tasks.config,
+                task_seed=self.tasks.seed,
+                task_offset=self.tasks.offset,
+                seed=self.seed,
+                group_size=self.rl.group_size,
+                store_url=self._pull_url(),
             )
+            return RayRollouts(spec, self.rl.ray, run_name=self.name, stream=self.stream)
+        engine = InferenceEngine(
+            clone_model(self.policy), self.engine_cfg, stop_id=self.chat.end_id, version=version
+        )
+        return LocalRollouts(
+            engine,
+            self.publisher.subscriber(version),
+            self.tasks,
+            env=self.env,
+            engine_cfg=self.engine_cfg,
+            seed=self.seed,
+            group_size=self.rl.group_size,
+        )
+
+    def _pull_url(self) -> str:
+        """Where rollout actors pull this stream from: ``ray.pull_from`` (a relay near them)
+        or the store the trainer publishes to."""
+        base = self.rl.ray.pull_from or self.rl.weights_store
+        if not base:
+            return str(self.run_dir.resolve() / "weights" / f"stream-{self.stream:04d}")
+        return f"{base.rstrip('/')}/stream-{self.stream:04d}"
+
+    # -- rollouts ----------------------------------------------------------------------------
+    async def _play_group(self, index: int, min_version: int = -1) -> Group[Sample] | None:
+        played: PlayedGroup = await self.rollouts.play(index, min_version)
+        task_id = self.tasks[index].id
+        if played.dropped:
+            self.episodes_cut += played.cut
+            log.warning("rl.group_dropped", reason=played.dropped, task=task_id)
             return None
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            if not all(isinstance(e, SandboxError) for e in errors):
-                raise next(e for e in errors if not isinstance(e, SandboxError))
-            log.warning("rl.group_dropped", reason=f"sandbox: {errors[0]}", task=task.id)
-            return None
-        samples = [r for r in results if isinstance(r, Sample)]
+        samples = played.samples
         self.trajectories += len(samples)
         if self.hooks.reward is not None:
             for s in samples:
                 s.reward = float(self.hooks.reward(s))
         if any(s.infra_fault for s in samples):
-            log.warning("rl.group_dropped", reason="infrastructure fault", task=task.id)
+            log.warning("rl.group_dropped", reason="infrastructure fault", task=task_id)
             return None
         group = Group(samples=list(samples), policy_version=min(s.min_version for s in samples))
         if self.hooks.on_group is not None:
@@ -230,13 +239,25 @@ class RLRun:
             # group started on weights already past the staleness bound (the weight store is
             # failing) would only be dropped: wait for the engine to catch up instead.
             while self.started - self._retired() >= ahead or (
-                self.trainer.policy_version - self.engine.version > self.rl.max_staleness
+                self.trainer.policy_version - self.rollouts.version > self.rl.max_staleness
             ):
                 await asyncio.sleep(0.01)
             self.started += 1
-            index = self.cursor
-            self.cursor += 1
-            group = await self._play_group(index)
+            if self._requeued:
+                index = self._requeued.pop(0)
+            else:
+                index = self.cursor
+                self.cursor += 1
+            try:
+                group = await self._play_group(
+                    index, self.trainer.policy_version - self.rl.max_staleness
+                )
+            except WorkerLost as e:
+                log.warning("rl.group_requeued", index=index, reason=str(e))
+                self.requeued_total += 1
+                self._requeued.append(index)
+                self.started -= 1
+                continue
             if group is None:
                 self.started -= 1
                 continue
@@ -244,23 +265,6 @@ class RLRun:
 
     def _retired(self) -> int:
         return self.buffer.stats.taken + self.buffer.stats.dropped_stale
-
-    async def _follow(self) -> None:
-        """The engine side of weight sync: pull each newly published version. While the store
-        fails, the engine keeps serving the weights it has and retries with backoff."""
-        delay = _RETRY_S
-        while True:
-            await self._published.wait()
-            self._published.clear()
-            try:
-                await self.server.pull(self.subscriber)
-                delay = _RETRY_S
-            except StoreError as e:
-                self.pull_failures += 1
-                log.warning("rl.pull_failed", failures=self.pull_failures, error=str(e))
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, _RETRY_MAX_S)
-                self._published.set()  # try again (a newer version may be there by then)
 
     async def _republish(self) -> None:
         """Async mode: after a failed publish, retry it between trainer steps (the trainer may
@@ -281,7 +285,7 @@ class RLRun:
                 if self.publisher.pending is None:
                     break  # the trainer's own publish got it out while this one waited
                 if await asyncio.to_thread(self._publish) is not None:
-                    self._published.set()
+                    self.rollouts.published()
 
     def _publish(self) -> Any:
         """Publish the trainer's version (in a worker thread); None when the store failed
@@ -303,7 +307,7 @@ class RLRun:
                 need = self.rl.groups_per_step - len(groups)
                 indices = list(range(self.cursor, self.cursor + need))
                 self.cursor += need
-                played = await asyncio.gather(*(self._play_group(i) for i in indices))
+                played = await asyncio.gather(*(self._play_sync(i) for i in indices))
                 taken = [g for g in played if g is not None]
                 self.buffer.stats.taken += len(taken)
                 self.buffer.stats.staleness_histogram[0] = (
@@ -318,6 +322,16 @@ class RLRun:
                     self.filtered += 1
         return groups
 
+    async def _play_sync(self, index: int) -> Group[Sample] | None:
+        """Sync mode: a group lost with its worker is played again at once (same index, same
+        weights, so the same samples)."""
+        while True:
+            try:
+                return await self._play_group(index)
+            except WorkerLost as e:
+                log.warning("rl.group_requeued", index=index, reason=str(e))
+                self.requeued_total += 1
+
     def _train(self, groups: list[Group[Sample]]) -> tuple[dict[str, Any], Any]:
         """The trainer step and the publish of its version (runs in a worker thread)."""
         t0 = time.perf_counter()
@@ -330,12 +344,16 @@ class RLRun:
         return stats, report
 
     def _step_metrics(
-        self, groups: list[Group[Sample]], stats: dict[str, Any], report: Any, t_wait: float
+        self,
+        groups: list[Group[Sample]],
+        stats: dict[str, Any],
+        report: Any,
+        t_wait: float,
+        rs: RolloutStats,
     ) -> dict[str, Any]:
         samples = [s for g in groups for s in g.samples]
         tokens = sum(len(s.tokens) for s in samples)
         bstats = self.buffer.stats
-        es = self.engine.stats
         publish: dict[str, Any] = {}
         if report is not None:
             publish = {
@@ -359,16 +377,16 @@ class RLRun:
             },
             "trainer_tokens_per_s": tokens / max(stats["train_s"], 1e-9),
             "wait_s": t_wait,
-            "rollout_tokens_sampled": es.tokens_sampled,
-            "engine_version": self.engine.version,
-            "engine_pause_s": es.pause_seconds[-1] if es.pause_seconds else None,
-            "engine_prepare_s": (
-                self.server.prepare_seconds[-1] if self.server.prepare_seconds else None
-            ),
+            "rollout_tokens_sampled": rs.tokens_sampled,
+            "engine_version": rs.engine_version,
+            "engine_pause_s": rs.pause_s[-1] if rs.pause_s else None,
+            "engine_prepare_s": rs.prepare_s[-1] if rs.prepare_s else None,
+            "rollout_workers": rs.workers,
             "trajectories": self.trajectories,
             "publish_failures": self.publisher.failures,
-            "pull_failures": self.pull_failures,
+            "pull_failures": rs.pull_failures,
             "episodes_cut": self.episodes_cut,
+            "groups_requeued": self.requeued_total,
         }
 
     def _checkpoint(self) -> None:
@@ -383,20 +401,18 @@ class RLRun:
 
     async def _run(self) -> RunSummary:
         t_start = time.perf_counter()
-        serve = asyncio.create_task(self.server.serve())
+        rollout_tasks = await self.rollouts.start(follow=self.rl.mode == "async")
         # delta-sync's compiled kernels get ready while the first groups play, not inside the
         # first publish or the engine's first pause (compiled once per machine, then loaded)
         widths = sorted({t.element_size() for t in self.policy.state_dict().values()})
-        background = [serve, asyncio.create_task(asyncio.to_thread(warm_up, widths))]
+        own = [asyncio.create_task(asyncio.to_thread(warm_up, widths))]
         if self.rl.mode == "async":
-            background.append(asyncio.create_task(self._follow()))
-            background.append(asyncio.create_task(self._republish()))
-            background += [
-                asyncio.create_task(self._worker()) for _ in range(self.rl.rollout_workers)
-            ]
+            own.append(asyncio.create_task(self._republish()))
+            own += [asyncio.create_task(self._worker()) for _ in range(self.rl.rollout_workers)]
+        background = [*rollout_tasks, *own]
         bar = StepProgress(self.rl.steps, self.step, enabled=self.progress)
         last: dict[str, Any] = {}
-        rollout_t0, rollout_tok0 = time.perf_counter(), self.engine.stats.tokens_sampled
+        rollout_t0, rollout_tok0 = time.perf_counter(), (await self.rollouts.stats()).tokens_sampled
         try:
             while self.step < self.rl.steps:
                 if self.max_wall_s is not None and time.perf_counter() - t_start > self.max_wall_s:
@@ -426,39 +442,40 @@ class RLRun:
                 self.wait_s += t_wait
                 self.busy_s += stats["train_s"]
                 if report is not None and self.rl.mode == "async":
-                    self._published.set()
+                    self.rollouts.published()
                 if stats.get("publish_failed"):
                     self._publish_failed.set()
-                stats = self._step_metrics(groups, stats, report, t_wait)
+                stats = self._step_metrics(
+                    groups, stats, report, t_wait, await self.rollouts.stats()
+                )
                 now = time.perf_counter()
                 stats["rollout_tokens_per_s"] = (
-                    self.engine.stats.tokens_sampled - rollout_tok0
+                    stats["rollout_tokens_sampled"] - rollout_tok0
                 ) / max(now - rollout_t0, 1e-9)
                 stats["elapsed_s"] = now - t_start
                 if self.rl.mode == "sync" and stats.get("step_applied"):
                     await self._publish_pending()  # no rollout before the version is out
-                    await self.server.pull(self.subscriber)
-                    while self.engine.version != self.trainer.policy_version:
-                        await asyncio.sleep(0.002)
+                    await self.rollouts.sync_to(self.trainer.policy_version)
                 self.metrics.log(self.step, stats)
                 last = stats
                 log_step(self.step, stats)
                 if self.hooks.on_step is not None:
-                    self.hooks.on_step(self.step, stats)
+                    outcome = self.hooks.on_step(self.step, stats)
+                    if inspect.isawaitable(outcome):
+                        await outcome  # e.g. a test that resizes the worker pool
                 self.step += 1
                 bar.advance(stats)
                 if self.step % self.rl.checkpoint_every == 0 or self.step == self.rl.steps:
                     self._checkpoint()
         finally:
             bar.close()
-            for task in background[1:]:
+            for task in own:
                 task.cancel()
-            await asyncio.gather(*background[1:], return_exceptions=True)
+            await asyncio.gather(*own, return_exceptions=True)
             await self.buffer.close()
-            self.server.close()
-            await asyncio.gather(serve, return_exceptions=True)
+            final = await self.rollouts.stats()
+            await self.rollouts.close()
             self.metrics.close()
-        es = self.engine.stats
         return RunSummary(
             steps_done=self.step,
             policy_version=self.trainer.policy_version,
@@ -471,8 +488,8 @@ class RLRun:
             staleness_histogram=dict(self.buffer.stats.staleness_histogram),
             publish_bytes=[r.step_bytes for r in self.publisher.reports],
             ratios=[r.ratio for r in self.publisher.reports],
-            pause_s=list(es.pause_seconds),
-            prepare_s=list(self.server.prepare_seconds),
+            pause_s=final.pause_s,
+            prepare_s=final.prepare_s,
             last_metrics=last,
         )
 
@@ -503,5 +520,7 @@ class RLRun:
         with batch_invariant(self.engine_cfg.deterministic):
             self._setup()
             if self.hooks.on_engine_update is not None:
-                self.engine.on_apply = self.hooks.on_engine_update
+                if not isinstance(self.rollouts, LocalRollouts):
+                    raise ValueError("RunHooks.on_engine_update needs the local backend")
+                self.rollouts.engine.on_apply = self.hooks.on_engine_update
             return asyncio.run(self._run())

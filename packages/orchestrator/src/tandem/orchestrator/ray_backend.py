@@ -1,0 +1,366 @@
+"""The ``ray`` backend: rollout engines as Ray actors, anywhere that can reach the store.
+
+Each `RolloutWorker` actor is one engine with its own weight subscriber (`LocalRollouts`):
+it builds the model's shape from the config, reaches the newest version with one catch-up
+pull (anchor plus at most one delta), then follows the store by itself: notified by the
+trainer after each publish and polling in case it misses one. Nothing but group indices and
+finished groups crosses between the driver and the actors; weights only flow through the
+store (or a region's relay, ``ray.pull_from``).
+
+The driver (`RayRollouts`) keeps the buffer and the staleness logic (in `RLRun`). It hands
+each group to the least-loaded live actor; when an actor dies, its groups in flight fail
+with `WorkerLost` and are played again by another actor from the start, so no partial
+trajectory reaches the trainer, and a replacement actor is started. Workers may be added
+and removed (drained or killed) while the run goes on, directly or through the run's
+`PoolControl` actor (``tandem workers``); the pool size is kept over time for the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
+from tandem.orchestrator.chat_format import ChatFormat
+from tandem.orchestrator.config import EngineConfig, EnvSettings, RayConfig, TaskConfig
+from tandem.orchestrator.engine import InferenceEngine
+from tandem.orchestrator.rollouts import LocalRollouts, PlayedGroup, RolloutStats, WorkerLost
+
+log = structlog.get_logger()
+
+NAMESPACE = "tandem"
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rollout actor needs to build its engine and play groups."""
+
+    model: MoEConfig
+    engine: EngineConfig
+    env: EnvSettings
+    tasks: TaskConfig
+    task_seed: int
+    task_offset: int
+    seed: int
+    group_size: int
+    store_url: str
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """blake2b of every tensor's bit pattern in name order (equal digests: equal bits)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class RolloutWorker:
+    """The body of a rollout actor (`RayRollouts` wraps it with ``ray.remote``)."""
+
+    def __init__(self, spec: WorkerSpec, name: str, torch_threads: int, poll_s: float) -> None:
+        self.spec, self.name = spec, name
+        self.torch_threads, self.poll_s = torch_threads, poll_s
+        self.rollouts: LocalRollouts | None = None
+        self._scope = contextlib.ExitStack()
+
+    async def start(self) -> int:
+        """Build the engine and reach the newest version with one pull; returns it."""
+        from tandem.delta_sync import Subscriber, open_store, warm_up
+        from tandem.orchestrator.tasks import TaskSource
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        spec = self.spec
+        self._scope.enter_context(batch_invariant(spec.engine.deterministic))
+        model = MoETransformer(spec.model)
+        engine = InferenceEngine(model, spec.engine, stop_id=ChatFormat().end_id, version=-1)
+        subscriber = Subscriber(open_store(spec.store_url))
+        prepared = await asyncio.to_thread(subscriber.prepare)
+        engine.stage_update(prepared)
+        engine.apply_pending()
+        # the delta kernels get ready while the first groups play, not in the first pause
+        widths = sorted({t.element_size() for t in engine.state.values()})
+        self._warm = asyncio.create_task(asyncio.to_thread(warm_up, widths))
+        self.rollouts = LocalRollouts(
+            engine,
+            subscriber,
+            TaskSource(spec.tasks, spec.task_seed, offset=spec.task_offset),
+            env=spec.env,
+            engine_cfg=spec.engine,
+            seed=spec.seed,
+            group_size=spec.group_size,
+            poll_s=self.poll_s,
+        )
+        await self.rollouts.start(follow=True)
+        log.info("ray.worker_ready", worker=self.name, version=engine.version)
+        return engine.version
+
+    def _live(self) -> LocalRollouts:
+        if self.rollouts is None:
+            raise RuntimeError(f"rollout worker {self.name} was not started")
+        return self.rollouts
+
+    async def play(self, index: int, min_version: int) -> PlayedGroup:
+        return await self._live().play(index, min_version)
+
+    def published(self) -> None:
+        self._live().published()
+
+    async def sync_to(self, version: int) -> int:
+        await self._live().sync_to(version)
+        return self._live().version
+
+    async def stats(self) -> RolloutStats:
+        return await self._live().stats()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def digest(self) -> tuple[int, str]:
+        """(version, digest of the engine's weights): lets a test check them bit for bit."""
+        engine = self._live().engine
+        return engine.version, state_digest(engine.state)
+
+    async def stop(self) -> None:
+        if self.rollouts is not None:
+            await self.rollouts.close()
+        self._scope.close()
+
+
+def pool_name(run_name: str) -> str:
+    """The name of a run's `PoolControl` actor (in the ``tandem`` namespace)."""
+    return f"pool-{run_name}"
+
+
+class PoolControl:
+    """A named actor holding how many rollout workers the run should have (``tandem
+    workers add/remove`` changes it; the driver follows)."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+
+    def resize(self, delta: int) -> int:
+        self.target = max(1, self.target + delta)
+        return self.target
+
+    def get(self) -> int:
+        return self.target
+
+
+@dataclass
+class _Worker:
+    name: str
+    handle: Any
+    version: int = -1
+    inflight: int = 0
+    draining: bool = False
+
+
+@dataclass
+class RayRollouts:
+    """The driver's view of the rollout actors (same interface as `LocalRollouts`)."""
+
+    spec: WorkerSpec
+    config: RayConfig
+    run_name: str = "tandem"
+    stream: int = 0
+    workers: list[_Worker] = field(default_factory=list)
+    pool_sizes: list[tuple[float, int]] = field(default_factory=list)
+    lost: int = 0
+    _started_ray: bool = False
+    _names: Any = field(default_factory=lambda: itertools.count())
+    _stats: dict[str, RolloutStats] = field(default_factory=dict)
+    _spawning: int = 0
+    _changes: set[asyncio.Task[Any]] = field(default_factory=set)
+    played_by: dict[str, int] = field(default_factory=dict)
+    _t0: float = field(default_factory=time.monotonic)
+
+    async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
+        if not self.config.address:
+            # A cluster started here runs its workers with this very interpreter: Ray's
+            # `uv run` hook (re-creating the environment per worker) would only slow them.
+            os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        import ray
+
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False}
+            if self.config.address:
+                kwargs["address"] = self.config.address
+            elif self.config.num_cpus:
+                kwargs["num_cpus"] = self.config.num_cpus
+            await asyncio.to_thread(ray.init, **kwargs)
+            self._started_ray = True
+        self._cls = ray.remote(RolloutWorker)
+        self.control = (
+            ray.remote(PoolControl)
+            .options(
+                name=f"pool-{self.run_name}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0
+            )
+            .remote(self.config.workers)
+        )
+        await self.control.resize.remote(self.config.workers - await self.control.get.remote())
+        await asyncio.gather(*(self.add_worker() for _ in range(self.config.workers)))
+        return [asyncio.create_task(self._watch())]
+
+    @property
+    def live(self) -> list[_Worker]:
+        return [w for w in self.workers if not w.draining]
+
+    @property
+    def version(self) -> int:
+        return min((w.version for w in self.live), default=-1)
+
+    def _record_size(self) -> None:
+        self.pool_sizes.append((time.monotonic() - self._t0, len(self.workers)))
+
+    async def resize(self, delta: int) -> int:
+        """Ask for ``delta`` more (or fewer) workers; the pool follows within a second.
+        Leaving workers are drained: they finish their groups and get no new ones."""
+        return int(await self.control.resize.remote(delta))
+
+    async def add_worker(self) -> str:
+        """Start one more actor; it takes groups once it holds the newest version."""
+        name = f"rollout-{next(self._names)}"
+        handle = self._cls.options(
+            num_cpus=self.config.worker_cpus,
+            num_gpus=self.config.worker_gpus,
+            max_concurrency=1024,
+            name=f"{self.run_name}-{self.stream}-{name}",
+            namespace=NAMESPACE,
+        ).remote(self.spec, name, self.config.torch_threads, self.config.poll_s)
+        self._spawning += 1
+        try:
+            version = await handle.start.remote()
+        finally:
+            self._spawning -= 1
+        self.workers.append(_Worker(name, handle, version=version))
+        self._record_size()
+        log.info("ray.worker_added", worker=name, version=version, pool=len(self.workers))
+        return name
+
+    async def remove_worker(self, name: str | None = None, *, kill: bool = False) -> str:
+        """Take a worker out now: drained (finishes its groups, gets no new one) or killed
+        (its groups in flight fail with `WorkerLost` and are re-queued by the caller)."""
+        import ray
+
+        live = self.live
+        w = next((x for x in live if x.name == name), None) if name else (live or [None])[-1]
+        if w is None:
+            raise ValueError(f"no live rollout worker named {name!r}" if name else "no worker")
+        w.draining = True
+        if not kill:
+            while w.inflight:
+                await asyncio.sleep(0.05)
+            with contextlib.suppress(Exception):
+                await w.handle.stop.remote()
+        ray.kill(w.handle, no_restart=True)
+        self._forget(w)
+        log.info("ray.worker_removed", worker=w.name, killed=kill, pool=len(self.workers))
+        return w.name
+
+    def _forget(self, w: _Worker) -> None:
+        if w in self.workers:
+            self.workers.remove(w)
+            self._record_size()
+
+    def _lost(self, w: _Worker, error: BaseException) -> None:
+        if w not in self.workers:
+            return  # removed on purpose, or already counted
+        self._forget(w)
+        self.lost += 1
+        log.warning("ray.worker_lost", worker=w.name, error=str(error)[:200])
+
+    async def _watch(self) -> None:
+        """Keep the pool at `PoolControl`'s target: replace lost actors (``replace_lost``),
+        start or drain workers when the target changes."""
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                target = int(await self.control.get.remote())
+            except Exception as e:
+                log.warning("ray.pool_control_unreachable", error=str(e)[:200])
+                continue
+            have = len(self.live) + self._spawning
+            if have < target and (self.config.replace_lost or not self.lost):
+                self._changes.add(asyncio.create_task(self._logged(self.add_worker())))
+            elif have > target and len(self.live) > 1:
+                self._changes.add(asyncio.create_task(self._logged(self.remove_worker())))
+            self._changes = {t for t in self._changes if not t.done()}
+
+    @staticmethod
+    async def _logged(work: Any) -> None:
+        try:
+            await work
+        except Exception as e:  # the watcher tries again on its next round
+            log.warning("ray.pool_change_failed", error=str(e)[:300])
+
+    async def play(self, index: int, min_version: int = -1) -> PlayedGroup:
+        from ray.exceptions import RayActorError
+
+        while not self.live:
+            await asyncio.sleep(0.05)
+        w = min(self.live, key=lambda x: (x.inflight, x.name))
+        w.inflight += 1
+        try:
+            played: PlayedGroup = await w.handle.play.remote(index, min_version)
+        except RayActorError as e:
+            self._lost(w, e)
+            raise WorkerLost(f"{w.name} died playing group {index}") from None
+        finally:
+            w.inflight -= 1
+        self.played_by[w.name] = self.played_by.get(w.name, 0) + 1
+        if played.samples:
+            w.version = max(w.version, max(s.max_version for s in played.samples))
+        return played
+
+    def published(self) -> None:
+        for w in self.live:
+            w.handle.published.remote()
+
+    async def sync_to(self, version: int) -> None:
+        for w in list(self.live):
+            try:
+                w.version = await w.handle.sync_to.remote(version)
+            except Exception as e:  # a dead actor is replaced; the new one starts current
+                self._lost(w, e)
+
+    async def stats(self) -> RolloutStats:
+        """Counters over every actor the run had (a gone actor's last figures are kept, so
+        they never go backwards); the version is the laggard's among live ones."""
+        for w in list(self.live):
+            with contextlib.suppress(Exception):
+                s: RolloutStats = await w.handle.stats.remote()
+                self._stats[w.name] = s
+                w.version = s.engine_version
+        merged = RolloutStats.merge(list(self._stats.values()))
+        merged.engine_version = self.version
+        merged.workers = len(self.workers)
+        return merged
+
+    async def digests(self) -> dict[str, tuple[int, str]]:
+        return {w.name: await w.handle.digest.remote() for w in self.live}
+
+    async def close(self) -> None:
+        import ray
+
+        for w in list(self.workers):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.handle.stop.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(w.handle, no_restart=True)
+        with contextlib.suppress(Exception):
+            ray.kill(self.control, no_restart=True)
+        self.workers.clear()
+        if self._started_ray:
+            ray.shutdown()

@@ -1,0 +1,181 @@
+"""The ``ray`` backend on a Ray cluster started here on loopback.
+
+Checks: a run with two rollout actors ends with the same weights, bit for bit, as the same
+run on the ``local`` backend (sync mode pins which weights play which group; the engine is
+batch-invariant, so where a group runs does not change its samples), and every actor's
+engine equals the trainer after each step; an actor killed with SIGKILL in the middle of
+its groups is replaced and its groups are played again, with no partial group reaching the
+trainer; workers join (one catch-up pull) and leave (drained) while training runs, and the
+metrics show the pool size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+# workers start from this interpreter; Ray's `uv run` hook would re-create the environment
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+ray = pytest.importorskip("ray")
+
+from rl_helpers import parity, tiny_run  # noqa: E402
+
+from tandem.orchestrator.config import RayConfig, RLConfig  # noqa: E402
+from tandem.orchestrator.metrics import read_metrics  # noqa: E402
+from tandem.orchestrator.ray_backend import state_digest  # noqa: E402
+from tandem.orchestrator.rl import RunHooks  # noqa: E402
+from tandem.orchestrator.weights import state_for_sync, weights_equal  # noqa: E402
+
+RAY = RayConfig(workers=2, worker_cpus=1, poll_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, namespace="tandem", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _worker_digests(run) -> list[tuple[int, str]]:
+    return ray.get([w.handle.digest.remote() for w in run.rollouts.live])
+
+
+def test_two_actors_give_the_weights_of_the_local_run(tmp_path: Path, cluster) -> None:
+    rl = RLConfig(mode="sync", steps=3, group_size=3, groups_per_step=2, checkpoint_every=10)
+    local = tiny_run(tmp_path / "local", rl, RunHooks(reward=parity))
+    local_summary = local.run()
+
+    engine_checks: list[bool] = []
+
+    def after_step(step: int, metrics: dict) -> None:
+        # sync mode: every actor is on the trainer's version before the next step's groups
+        want = state_digest(state_for_sync(remote.policy))
+        digests = _worker_digests(remote)
+        engine_checks.append(
+            len(digests) == 2
+            and all(v == remote.trainer.policy_version and d == want for v, d in digests)
+        )
+
+    ray_rl = msgspec.structs.replace(rl, backend="ray", ray=RAY)
+    remote = tiny_run(tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step))
+    summary = remote.run()
+
+    assert summary.steps_done == local_summary.steps_done == 3
+    assert summary.policy_version == local_summary.policy_version == 3
+    assert weights_equal(state_for_sync(remote.policy), state_for_sync(local.policy))
+    assert engine_checks == [True, True, True]
+    assert sorted(remote.rollouts.played_by) == ["rollout-0", "rollout-1"]  # both played
+    assert min(remote.rollouts.played_by.values()) >= 1
+    assert summary.trajectories == local_summary.trajectories
+    assert summary.last_metrics["rollout_workers"] == 2
+
+
+def test_a_killed_actor_is_replaced_and_its_groups_played_again(tmp_path: Path, cluster) -> None:
+    rl = RLConfig(
+        mode="async",
+        steps=5,
+        group_size=3,
+        groups_per_step=2,
+        rollout_workers=4,
+        checkpoint_every=10,
+        backend="ray",
+        ray=RAY,
+    )
+    groups: list[int] = []
+    killed: list[str] = []
+
+    async def kill_one(step: int, metrics: dict) -> None:
+        if step != 0:
+            return
+        while not any(w.inflight for w in run.rollouts.live):
+            await asyncio.sleep(0.01)
+        victim = next(w for w in run.rollouts.live if w.inflight)
+        os.kill(await victim.handle.pid.remote(), signal.SIGKILL)
+        killed.append(victim.name)
+        async with asyncio.timeout(180):  # the trainer waits here for the replacement
+            while "rollout-2" not in [w.name for w in run.rollouts.live]:
+                await asyncio.sleep(0.05)
+
+    hooks = RunHooks(
+        reward=parity, on_step=kill_one, on_group=lambda g: groups.append(len(g.samples))
+    )
+    run = tiny_run(tmp_path, rl, hooks)
+    summary = run.run()
+
+    assert summary.steps_done == 5 and summary.policy_version == 5
+    assert len(killed) == 1
+    assert run.rollouts.lost == 1
+    assert run.requeued_total >= 1  # the killed actor had groups in flight
+    assert groups and all(n == 3 for n in groups)  # only whole groups reached the trainer
+    sizes = [n for _, n in run.rollouts.pool_sizes]
+    assert 1 in sizes and sizes[-1] == 2  # it was replaced
+    assert "rollout-2" in run.rollouts.played_by  # the replacement took groups
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(5))
+
+
+def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> None:
+    rl = RLConfig(
+        mode="async",
+        steps=6,
+        group_size=3,
+        groups_per_step=2,
+        rollout_workers=4,
+        checkpoint_every=10,
+        anchor_every=3,
+        backend="ray",
+        ray=msgspec.structs.replace(RAY, workers=1),
+    )
+    joined: list[tuple[int, int]] = []  # (trainer version when asked, version it started on)
+    said: list[tuple[int, str]] = []
+
+    async def resize(step: int, metrics: dict) -> None:
+        if step == 1:
+            version = run.trainer.policy_version
+            # the command a user runs from any machine that reaches the cluster
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "tandem.app.cli",
+                "workers",
+                "add",
+                "1",
+                "--address",
+                ray.get_runtime_context().gcs_address,
+                "--run",
+                run.name,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            out, _ = await cli.communicate()
+            said.append((cli.returncode, out.decode()))
+            async with asyncio.timeout(180):
+                while len(run.rollouts.live) < 2:
+                    await asyncio.sleep(0.05)
+            joined.append((version, run.rollouts.live[-1].version))
+        if step == 4:
+            await run.rollouts.resize(-1)
+            async with asyncio.timeout(180):
+                while len(run.rollouts.workers) > 1:
+                    await asyncio.sleep(0.05)
+
+    run = tiny_run(tmp_path, rl, RunHooks(reward=parity, on_step=resize))
+    summary = run.run()
+
+    assert summary.steps_done == 6
+    assert said[0][0] == 0 and f"run {run.name}: 2 rollout workers" in said[0][1], said
+    assert len(joined) == 1
+    asked_at, started_on = joined[0]
+    assert started_on >= asked_at  # one catch-up pull brought it to a current version
+    assert "rollout-1" in run.rollouts.played_by  # and it took groups
+    sizes = [n for _, n in run.rollouts.pool_sizes]
+    assert sizes == [1, 2, 1]  # joined, then one drained
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    pool = [r["rollout_workers"] for r in records]
+    assert pool == [1, 1, 2, 2, 2, 1]
