@@ -15,7 +15,7 @@ from pathlib import Path
 
 import structlog
 
-from tandem.app import __version__, commands
+from tandem.app import __version__, commands, workers
 from tandem.app.config import AppConfig, dump_config, load_config
 from tandem.app.errors import ConfigError
 from tandem.app.logging import configure_logging
@@ -108,13 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--dump-config", action="store_true", help="print the resolved config as TOML and exit"
         )
+        if name == "train":
+            p.add_argument(
+                "--address",
+                help="run on this Ray cluster (auto, HOST:PORT): sets rl.backend=ray and "
+                "rl.ray.address",
+            )
+    workers.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "workers":
+        return workers.run_workers(args)
     cmd = COMMANDS[args.command]
+    if getattr(args, "address", None):
+        args.overrides += ["rl.backend=ray", f"rl.ray.address={args.address}"]
     try:
         config = load_config(cmd.config_type, args.config, args.overrides)
     except ConfigError as e:

@@ -92,6 +92,7 @@ def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
         seed=config.run.seed,
         task_offset=config.midtrain.transcripts,
         progress=sys.stderr.isatty(),
+        name=config.run.name,
     )
     save_policy(model, config.run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
     _train_report(config, rl_dir, summary)
@@ -185,6 +186,7 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
         task_offset=config.midtrain.transcripts,
         progress=sys.stderr.isatty(),
         max_wall_s=max(remaining, 30.0),
+        name=config.run.name,
     )
     save_policy(model, run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
     after = held_out()
