@@ -5,11 +5,13 @@ that stays up runs a builtin such as ``echo`` with no fork at all and anything e
 fork+exec, and keeps what a user of a terminal expects: the working directory, variables and
 functions persist between calls.
 
-Protocol with the shell (fds 63 and 62, closed for the commands themselves): the supervisor
-writes ``<length>\\n<command>`` to fd 63 (the command as ASCII: see ``_frame``); the shell
-``eval``s it with stdin from /dev/null
-and stdout+stderr to the output pipe, then writes ``status\\0cwd\\0`` and ``export -p`` and a
-final ``\\0`` to fd 62. After each command every other process in the sandbox (background jobs,
+Protocol with the shell (fds 63, 62 and 61, closed for the commands themselves): the
+supervisor writes ``<length>\\n<command>`` to fd 63 (the command as ASCII: see ``_frame``); the
+shell ``eval``s it with stdin from /dev/null and stdout+stderr to the output pipe, then writes
+``export -p`` to fd 61, a memfd the supervisor empties before each command, and last
+``status\\0cwd\\0`` to fd 62. bash writes ``export -p`` a line per write(2): into a pipe, each
+line would wake the supervisor; into the memfd none does, and the record on fd 62 is one write,
+so a command's end costs the supervisor one wake-up. After each command every other process in the sandbox (background jobs,
 daemons, the remains of a fork bomb) is killed, as a fresh ``bash -c`` per call used to do.
 
 A command that exits, kills or wedges the shell (``exit``, ``kill -9 $$``, a timeout, too much
@@ -23,7 +25,7 @@ import resource
 import select
 import time
 
-_CTL, _STATUS = 63, 62
+_CTL, _STATUS, _EXPORTS = 63, 62, 61
 # Runs inside bash; `builtin` guards against user functions named read/eval/printf. `read -N`
 # counts characters of the shell's locale; the frame is ASCII, so they are bytes in any locale
 # (switching the shell to LC_ALL=C for the read instead costs ~0.1 ms of CPU per command). A
@@ -33,10 +35,10 @@ _LOOP = (
     "while builtin read -r -u 63 __tandem_n; do "
     'IFS= builtin read -r -N "${__tandem_n#b}" -u 63 __tandem_c; '
     'if [[ $__tandem_n == b* ]]; then builtin printf -v __tandem_c %b "$__tandem_c"; fi; '
-    'builtin eval "$__tandem_c" </dev/null 62>&- 63>&-; __tandem_s=$?; '
+    'builtin eval "$__tandem_c" </dev/null 61>&- 62>&- 63>&-; __tandem_s=$?; '
     "builtin disown -a; "  # its background jobs are killed next: no "Killed" notices later
+    "builtin export -p >&61; "
     'builtin printf \'%s\\0%s\\0\' "$__tandem_s" "$PWD" >&62; '
-    "builtin export -p >&62; builtin printf '\\0' >&62; "
     "done"
 )
 
@@ -149,6 +151,7 @@ class Shell:
         ctl_r, self.ctl = os.pipe()
         self.st, st_w = os.pipe()
         self.out, out_w = os.pipe()
+        self.exp = os.memfd_create("exports", os.MFD_CLOEXEC)
         # posix_spawn (vfork+exec) instead of fork: the supervisor may be a fork of a large
         # warm interpreter, whose page tables a fork would copy. The new fds are dup2'd
         # (inheritable); every other fd of ours is close-on-exec.
@@ -163,6 +166,7 @@ class Shell:
                     (os.POSIX_SPAWN_DUP2, out_w, 2),
                     (os.POSIX_SPAWN_DUP2, ctl_r, _CTL),
                     (os.POSIX_SPAWN_DUP2, st_w, _STATUS),
+                    (os.POSIX_SPAWN_DUP2, self.exp, _EXPORTS),  # shares our file offset
                 ],
                 setsid=True,
                 setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM),
@@ -187,7 +191,7 @@ class Shell:
         """Forget a dead (or killed) shell: reap it, close its pipes; returns its status."""
         if status is None:
             status = os.waitpid(self.pid, 0)[1]
-        for fd in (self.ctl, self.st, self.out, self.pidfd):
+        for fd in (self.ctl, self.st, self.out, self.exp, self.pidfd):
             os.close(fd)
         self.pid = 0
         return status
@@ -281,7 +285,7 @@ class Shell:
                     except BlockingIOError:
                         continue
                     record += chunk
-                    if record.count(b"\0") >= 3 and record.endswith(b"\0"):
+                    if record.count(b"\0") >= 2 and record.endswith(b"\0"):
                         status = bytes(record)
                         break
                     if not chunk:
@@ -304,7 +308,10 @@ class Shell:
             parts = status.split(b"\0")
             code = int(parts[0])
             self.cwd = parts[1].decode("utf-8", "surrogateescape")
-            self.exports = parts[2].decode("utf-8", "surrogateescape")
+            size = os.lseek(self.exp, 0, os.SEEK_CUR)  # where the shell's writes ended
+            self.exports = os.pread(self.exp, size, 0).decode("utf-8", "surrogateescape")
+            os.ftruncate(self.exp, 0)  # empty for the next command's `export -p`
+            os.lseek(self.exp, 0, os.SEEK_SET)
         return {
             "output": capped_text(head, tail, total, tail_cap),
             "exit_code": code,
