@@ -61,6 +61,14 @@ _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x80
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
 _LAYERS = "/.layers"
+# Looked up once here rather than in each job: a job's first use of a libc function or an
+# array type builds objects (ctypes caches them on first use) after the fork, each on a page
+# that the job then copies. main() also calls the harmless ones once for the same reason.
+_mount_c, _umount2, _unshare, _setns = _LIBC.mount, _LIBC.umount2, _LIBC.unshare, _LIBC.setns
+_prctl, _syscall = _LIBC.prctl, _LIBC.syscall
+_CapHeader, _CapData = ctypes.c_uint32 * 2, ctypes.c_uint32 * 6
+_CAPSET_NR = _SYS_CAPSET.get(os.uname().machine)
+_PR_CAPBSET_READ = 23
 
 
 _LAST_CAP = 63  # the highest capability this kernel knows: read by main(), once for all jobs
@@ -76,7 +84,7 @@ def _check(rc, what):
 
 def _mount(source, target, fstype, flags, data=None):
     _check(
-        _LIBC.mount(
+        _mount_c(
             source.encode(),
             target.encode(),
             fstype.encode() if fstype else None,
@@ -107,9 +115,9 @@ def _setup_mounts(job):
     opts = f"lowerdir={lowers},upperdir={_esc(upper)},workdir={_esc(work)},userxattr"
     _mount("overlay", _WS, "overlay", _MS_NOSUID | _MS_NODEV, opts)
     # the overlay keeps its layers; the host's layer directory leaves this view entirely
-    _check(_LIBC.umount2(_LAYERS.encode(), _MNT_DETACH), f"umount {_LAYERS}")
+    _check(_umount2(_LAYERS.encode(), _MNT_DETACH), f"umount {_LAYERS}")
     if not job.get("upper"):
-        _check(_LIBC.umount2(scratch.encode(), _MNT_DETACH), "detach the scratch tmpfs")
+        _check(_umount2(scratch.encode(), _MNT_DETACH), "detach the scratch tmpfs")
     tmp = f"size={int(job['tmp'])},mode=1777"
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, tmp)
     _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, tmp)
@@ -137,14 +145,14 @@ def _become_agent():
     """A user namespace of the job's own, as uid/gid 1000 (the sandbox's user, mapped to
     the same host user as before), with no further user namespaces and no capabilities."""
     uid, gid = os.geteuid(), os.getegid()  # in the server's namespace, before leaving it
-    _check(_LIBC.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+    _check(_unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{_UID} {uid} 1")
     _write("/proc/self/gid_map", f"{_UID} {gid} 1")
     _write("/proc/sys/user/max_user_namespaces", "0")
     # /proc/sys is writable for our host uid until covered (as bwrap does): the cover is made
     # in a mount namespace owned by the new user namespace, so it cannot be undone from here
-    _check(_LIBC.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _check(_unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     for sub in ("sys", "sysrq-trigger", "irq", "bus"):
         path = f"/proc/{sub}"
         if os.path.exists(path):
@@ -158,16 +166,15 @@ def _become_agent():
 def _drop_privileges():
     """No capabilities and no way back to them for what runs next."""
     for cap in range(_LAST_CAP + 1):
-        if _LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+        if _prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break  # past the last capability this kernel knows (when it could not be read)
-    _check(_LIBC.prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0), "securebits")
-    _check(_LIBC.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
-    data = (ctypes.c_uint32 * 6)()
-    nr = _SYS_CAPSET.get(os.uname().machine)
-    if nr is None:
+    _check(_prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0), "securebits")
+    _check(_prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = _CapData()
+    if _CAPSET_NR is None:
         raise OSError(0, f"unsupported architecture {os.uname().machine}")
-    _check(_LIBC.syscall(nr, header, data), "capset")
+    _check(_syscall(_CAPSET_NR, header, data), "capset")
     fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
     try:
         status = os.read(fd, 1 << 16)
@@ -273,14 +280,14 @@ def _fork_job():
             ("uts", _CLONE_NEWUTS),
         ):
             _OWN_NS.append((os.open(f"/proc/self/ns/{name}", os.O_RDONLY), flag))
-    _check(_LIBC.unshare(_FRESH), "unshare")
+    _check(_unshare(_FRESH), "unshare")
     pid = -1
     try:
         pid = os.fork()
     finally:
         if pid != 0:
             for fd, flag in _OWN_NS:
-                if _LIBC.setns(fd, flag) != 0:
+                if _setns(fd, flag) != 0:
                     os._exit(75)  # stuck in a job's namespaces: the host starts a new server
     return pid
 
@@ -309,6 +316,8 @@ def main():
     except (OSError, ValueError):
         pass  # then each job drops capabilities up to the first that the kernel refuses
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # jobs are reaped by the kernel
+    _prctl(_PR_CAPBSET_READ, 0, 0, 0, 0)  # first calls and instances made here (see above)
+    _CapHeader(0x20080522, 0), _CapData()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # Everything imported so far goes to the permanent generation: jobs' garbage collections
     # then leave those objects' pages alone, so fewer pages are copied after each fork.
