@@ -59,6 +59,19 @@ def _read_counter(path: Path, key: str) -> int:
     return 0
 
 
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC  # Path.write_text's flags
+
+
+def _write(path: Path, text: str) -> None:
+    """One open and write(2), without a file object: cgroup files are written at every
+    episode start, on the host's event loop."""
+    fd = os.open(path, _WRITE, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 def _rmdir_retry(path: Path, deadline_s: float = 2.0) -> bool:
     end = time.monotonic() + deadline_s
     while True:
@@ -92,6 +105,22 @@ class EpisodeCgroup:
     def pids_limit_hits(self) -> int:
         d = self.dirs[""] if self.version == 2 else self.dirs["pids"]
         return _read_counter(d / "pids.events", "max")
+
+    def join(self, pid: int) -> None:
+        """Move process ``pid`` into this group (every hierarchy)."""
+        for d in self.dirs.values():
+            _write(d / "cgroup.procs", str(pid))
+
+    def rmdir(self) -> bool:
+        """Remove the (empty) group at once; False if it still has processes."""
+        for d in self.dirs.values():
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+        return True
 
     def pids(self) -> list[int]:
         d = next(iter(self.dirs.values()))
@@ -143,6 +172,7 @@ class CgroupManager:
                 f"cannot create cgroups under {list(bases.values())}: {e}. {_FIX}"
             ) from e
         self._count = 0
+        self._memsw = True  # cgroup v1 without swap accounting has no memsw files
 
     @staticmethod
     def _discover(cgroup_root: str) -> tuple[int, dict[str, Path]]:
@@ -206,19 +236,23 @@ class CgroupManager:
         try:
             for ctrl, parent in self.parents.items():
                 d = parent / name
-                d.mkdir()
+                os.mkdir(d)
                 dirs[ctrl] = d
-            if self.version == 2:
-                d = dirs[""]
-                (d / "memory.max").write_text(str(memory_bytes))
+            mem, swap = (
+                (dirs[""] / "memory.max", dirs[""] / "memory.swap.max")
+                if self.version == 2
+                else (dirs["memory"] / "memory.limit_in_bytes", None)
+            )
+            _write(mem, str(memory_bytes))
+            if swap is not None:
                 with contextlib.suppress(OSError):
-                    (d / "memory.swap.max").write_text("0")
-                (d / "pids.max").write_text(str(pids))
-            else:
-                (dirs["memory"] / "memory.limit_in_bytes").write_text(str(memory_bytes))
-                with contextlib.suppress(OSError):
-                    (dirs["memory"] / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
-                (dirs["pids"] / "pids.max").write_text(str(pids))
+                    _write(swap, "0")
+            elif self._memsw:
+                try:
+                    _write(dirs["memory"] / "memory.memsw.limit_in_bytes", str(memory_bytes))
+                except OSError:
+                    self._memsw = False  # not tried again: it fails the same way every time
+            _write((dirs[""] if self.version == 2 else dirs["pids"]) / "pids.max", str(pids))
         except OSError as e:
             EpisodeCgroup(self.version, dirs).remove()
             raise SandboxError(f"cannot set up the episode cgroup {name}: {e}. {_FIX}") from e

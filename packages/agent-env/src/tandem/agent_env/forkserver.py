@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import struct
 from pathlib import Path
@@ -154,10 +155,14 @@ class ForkServer:
             self.cgroup.remove()
             self.cgroup = None
 
-    async def launch(self, job: dict[str, Any], cgroup: EpisodeCgroup) -> socket.socket:
-        """Start one job in ``cgroup``; returns its connected socket (non-blocking) once the
-        job runs there. Raises :class:`ForkServerError` if it could not be started."""
+    async def launch(
+        self, job: dict[str, Any], cgroup: EpisodeCgroup
+    ) -> tuple[socket.socket, int]:
+        """Start one job in ``cgroup``; returns its connected socket (non-blocking) and a
+        pidfd of its init once the job runs there (end it with :func:`end_job`). Raises
+        :class:`ForkServerError` if it could not be started."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pidfd = -1
         mine.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         mine.setblocking(False)
         try:
@@ -181,8 +186,10 @@ class ForkServer:
                 rest = await _read_all(mine, 5.0)
                 text = (first + rest).decode("utf-8", "replace")
                 raise ForkServerError(f"the job did not start: {text}")
-            try:  # (a thread: joining a cgroup waits for the kernel, not for the CPU)
-                await asyncio.to_thread(_join_cgroup, cgroup, pid)
+            try:  # the job waits for our "g": its pid cannot have been reused yet
+                pidfd = os.pidfd_open(pid)
+                # here, not in a worker thread: a trip to one costs more CPU than the writes
+                cgroup.join(pid)
             except OSError as e:
                 msg = f"could not move job {pid} into its cgroup: {e}"
                 raise ForkServerError(msg) from e
@@ -190,8 +197,10 @@ class ForkServer:
         except BaseException:
             mine.close()
             theirs.close()
+            if pidfd >= 0:
+                os.close(pidfd)
             raise
-        return mine
+        return mine, pidfd
 
     def alive(self) -> bool:
         return self.proc is not None and not self.proc.has_exited()
@@ -213,8 +222,9 @@ class ForkServer:
         mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
         cgroup = await asyncio.to_thread(rt.cgroups.create, mem, lim.pids)
         out = JobOutput()
+        pidfd = -1
         try:
-            sock = await self.launch(job, cgroup)
+            sock, pidfd = await self.launch(job, cgroup)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 22)
             try:
                 async with asyncio.timeout(timeout_s):
@@ -226,12 +236,39 @@ class ForkServer:
             out.server_died = not self.alive()
             return out
         finally:
-            await asyncio.to_thread(cgroup.remove)
+            if pidfd >= 0:
+                await end_job(pidfd, cgroup)
+            else:
+                await asyncio.to_thread(cgroup.remove)
 
 
-def _join_cgroup(cgroup: EpisodeCgroup, pid: int) -> None:
-    for f in cgroup.procs_files:
-        Path(f).write_text(str(pid))
+async def kill_job(pidfd: int) -> bool:
+    """SIGKILL a job's init and wait until it is gone; closes ``pidfd``. The kernel kills
+    every process of a pid namespace whose init exits and lets the init finish only once
+    they are all reaped, so then nothing of the job is left in its cgroup. False if the init
+    did not exit in time (then kill what is in the cgroup the slow way)."""
+    loop = asyncio.get_running_loop()
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        gone = loop.create_future()
+        loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+        try:
+            await asyncio.wait_for(gone, 10.0)
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(pidfd)
+        return True
+    finally:
+        os.close(pidfd)
+
+
+async def end_job(pidfd: int, cgroup: EpisodeCgroup) -> None:
+    """Kill a job and remove its cgroup: no worker thread and no polling of the cgroup's
+    process list unless the job outlives the kill."""
+    if not (await kill_job(pidfd) and cgroup.rmdir()):
+        await asyncio.to_thread(cgroup.remove)
 
 
 async def _send_job(ctl: socket.socket, data: bytes, fd: int) -> None:

@@ -24,7 +24,7 @@ from tandem.agent_env import bwrap as bw
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
 from tandem.agent_env.deadlines import deadlines
-from tandem.agent_env.forkserver import ForkServerError
+from tandem.agent_env.forkserver import ForkServerError, end_job, kill_job
 from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.proc import ChildProcess, reap, spawn
 
@@ -55,6 +55,7 @@ class Session:
         self.workspace = ep_dir / "ws" if not runtime.sandboxed else Path(bw.WORKSPACE)
         self.proc: ChildProcess | None = None  # a sandbox of its own (bwrap) ...
         self.forked = False  # ... or a job of the runtime's fork server
+        self._pidfd = -1  # the fork-server job's init (its supervisor)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self.cgroup: EpisodeCgroup | None = None
@@ -96,7 +97,7 @@ class Session:
             "config": self._supervisor_config(),
         }
         try:
-            sock = await server.launch(job, self.cgroup)
+            sock, self._pidfd = await server.launch(job, self.cgroup)
         except ForkServerError as e:
             log.warning("agent_env.forkserver_session_failed", error=str(e))
             return False
@@ -209,37 +210,43 @@ class Session:
     def pids_limit_hits(self) -> int:
         return self.cgroup.pids_limit_hits() if self.cgroup else 0
 
-    def _disconnect(self) -> bool:
-        """Forget the connection; True if it was a fork-server job (its cgroup holds it)."""
+    def _disconnect(self) -> int:
+        """Forget the connection; the pidfd of a fork-server job's init, else -1."""
         forked, self.forked = self.forked, False
         if forked and self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
-        return forked
+        pidfd, self._pidfd = self._pidfd, -1
+        return pidfd
 
     async def halt(self) -> None:
         """Kill the sandbox's processes but keep its cgroup (for a restart)."""
-        forked = self._disconnect()
+        pidfd = self._disconnect()
         if self.proc is not None:
             proc, self.proc = self.proc, None
             await reap(proc, self.cgroup, remove=False)
-        elif forked and self.cgroup is not None:
+        elif pidfd >= 0 and not await kill_job(pidfd) and self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.kill_all)
 
     async def stop(self) -> None:
-        self._disconnect()
+        pidfd = self._disconnect()
         if self.proc is not None:
             proc, self.proc = self.proc, None
             await reap(proc, self.cgroup)
         elif self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.remove)
+            if pidfd >= 0:
+                await end_job(pidfd, self.cgroup)
+            else:
+                await asyncio.to_thread(self.cgroup.remove)
+        elif pidfd >= 0:
+            await kill_job(pidfd)
         self.cgroup = None
 
     async def discard(self) -> None:
         """Stop and delete the episode's files."""
-        self._disconnect()
-        if self.proc is not None:  # a sandbox of its own: killed and waited for first
+        if self.proc is not None or self._pidfd >= 0:  # its processes go first
             await self.stop()
+        self._disconnect()
         cgroup, self.cgroup = self.cgroup, None
         mounts = self.runtime.mounts if self._mounted else None
         self._mounted = False
