@@ -155,9 +155,7 @@ class ForkServer:
             self.cgroup.remove()
             self.cgroup = None
 
-    async def launch(
-        self, job: dict[str, Any], cgroup: EpisodeCgroup
-    ) -> tuple[socket.socket, int]:
+    async def launch(self, job: dict[str, Any], cgroup: EpisodeCgroup) -> tuple[socket.socket, int]:
         """Start one job in ``cgroup``; returns its connected socket (non-blocking) and a
         pidfd of its init once the job runs there (end it with :func:`end_job`). Raises
         :class:`ForkServerError` if it could not be started."""

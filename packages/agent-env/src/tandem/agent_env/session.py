@@ -25,7 +25,6 @@ from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
 from tandem.agent_env.deadlines import deadlines
 from tandem.agent_env.forkserver import ForkServerError, end_job, kill_job
-from tandem.agent_env.mounts import MountHelper
 from tandem.agent_env.proc import ChildProcess, reap, spawn
 
 if TYPE_CHECKING:
@@ -115,16 +114,17 @@ class Session:
         await self.halt()
         return False
 
-    def _prepare(self, work: Path) -> None:
+    async def _prepare(self, work: Path) -> None:
         """The episode's disk (mounted once, a fresh overlay work directory per start) and its
-        cgroup (kept across restarts: files written stay charged). Blocking; in a thread."""
+        cgroup (kept across restarts: files written stay charged). On the event loop: both are
+        a few system calls here or in the mount helper, cheaper than a worker thread's trip."""
         rt, lim = self.runtime, self.limits
         assert rt.cgroups is not None and rt.mounts is not None
         if not self._mounted:
-            rt.mounts.call_sync("mount", str(self.disk), lim.disk_bytes, (work.name,))
+            await rt.mounts.call("mount", str(self.disk), lim.disk_bytes, (work.name,))
             self._mounted = True
         else:
-            rt.mounts.call_sync("mkdir", str(work))
+            await rt.mounts.call("mkdir", str(work))
         if self.cgroup is None:
             mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
             self.cgroup = rt.cgroups.create(mem, lim.pids)
@@ -135,7 +135,7 @@ class Session:
         rt = self.runtime
         if rt.sandboxed:
             work = self.disk / f"work{self.starts}"
-            await asyncio.to_thread(self._prepare, work)  # one trip to a worker thread
+            await self._prepare(work)
             if await self._start_forked(work):
                 return
             argv = rt.base_argv + bw.workspace_args([str(self.base)], str(self.upper), str(work))
@@ -250,19 +250,16 @@ class Session:
         cgroup, self.cgroup = self.cgroup, None
         mounts = self.runtime.mounts if self._mounted else None
         self._mounted = False
-        await asyncio.to_thread(self._remove, cgroup, mounts)  # one trip to a worker thread
-        if not self._released:
-            self._released = True
-            self.runtime.release_base(self.base)
-
-    def _remove(self, cgroup: EpisodeCgroup | None, mounts: MountHelper | None) -> None:
-        """Kill what is left in the cgroup and remove it, unmount the episode's disk, delete
-        its directory (blocking; in a thread)."""
-        if cgroup is not None:
-            cgroup.remove()
-        if mounts is not None:
-            mounts.call_sync("umount", str(self.disk))
-        shutil.rmtree(self.dir, True)
+        try:
+            if cgroup is not None:  # what is left in it is killed (a thread: it may wait)
+                await asyncio.to_thread(cgroup.remove)
+            if mounts is not None:
+                await mounts.call("umount", str(self.disk))
+        finally:
+            shutil.rmtree(self.dir, True)  # (a few entries: the disk's mount point and logs)
+            if not self._released:
+                self._released = True
+                self.runtime.release_base(self.base)
 
     def final_layers(self) -> list[str]:
         """The final workspace as overlay layers (bottom to top) or a plain directory."""
