@@ -1,4 +1,5 @@
-"""The 2-process (gloo, CPU) update equals the 1-process update on the same global batch.
+"""The 2-process (gloo, CPU) update equals the 1-process update on the same global batch,
+and bit for bit the 1-process update that accumulates as two processes (``shards=2``).
 
 The worker is started with ``accelerate launch --multi_gpu --num_processes 2`` and creates
 ``Accelerator(cpu=True)``: accelerate's launcher spawns the processes (torchrun) and the CPU
@@ -46,6 +47,20 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     )
     single = trainer.step(batch)
     before = worker.build(worker.load_tiny())[0].state_dict()
+    # one process accumulating as two would (`shards=2`) must give the 2-process bits
+    sharded_model, _ = worker.build(worker.load_tiny())
+    sharded = GRPOTrainer(
+        sharded_model,
+        torch.optim.SGD(sharded_model.parameters(), lr=0.5),
+        worker.CONFIG,
+        Accelerator(cpu=True),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in each of the two processes: CPU kernels split by threads
+    try:
+        sharded_metrics = sharded.step(batch, shards=2)
+    finally:
+        torch.set_num_threads(threads)
 
     out = tmp_path / "two.pt"
     cmd = [
@@ -86,6 +101,8 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     for name, value in model.state_dict().items():
         assert not torch.equal(value, before[name]) or "bias" in name  # the step moved weights
         torch.testing.assert_close(two["params"][name], value, rtol=1e-5, atol=1e-6)
+        assert torch.equal(two["params"][name], sharded_model.state_dict()[name]), name
+    assert sharded_metrics["grad_norm"] == two["metrics"]["grad_norm"]
     for key in (
         "loss",
         "pg_loss",

@@ -133,12 +133,16 @@ def shard_by_group(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBa
     """
     if not 0 <= rank < world_size:
         raise GRPOError(f"rank {rank} is not in [0, {world_size})")
+    return batch.select((group_owners(batch, world_size) == rank).nonzero().flatten())
+
+
+def group_owners(batch: RolloutBatch, world_size: int) -> torch.Tensor:
+    """The process (of ``world_size``) that trains each row: see `shard_by_group`."""
     _, index = torch.unique(batch.group_ids, return_inverse=True)
     order: dict[int, int] = {}
     for g in index.tolist():
         order.setdefault(g, len(order))
-    owner = torch.tensor([order[g] % world_size for g in index.tolist()], dtype=torch.long)
-    return batch.select((owner == rank).nonzero().flatten())
+    return torch.tensor([order[g] % world_size for g in index.tolist()], dtype=torch.long)
 
 
 class ForwardOutput(NamedTuple):

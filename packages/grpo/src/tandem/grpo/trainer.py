@@ -23,7 +23,13 @@ import torch
 
 from tandem.grpo.advantages import group_advantages, nonconstant_groups
 from tandem.grpo.aggregation import LossNormalizer
-from tandem.grpo.batch import ForwardFn, ForwardOutput, RolloutBatch, causal_lm_forward
+from tandem.grpo.batch import (
+    ForwardFn,
+    ForwardOutput,
+    RolloutBatch,
+    causal_lm_forward,
+    group_owners,
+)
 from tandem.grpo.config import GRPOConfig
 from tandem.grpo.errors import GRPOError
 from tandem.grpo.importance import importance_weights
@@ -164,12 +170,20 @@ class GRPOTrainer:
             raise GRPOError("entropy_coef > 0 needs forward_fn to return entropy with gradient")
         return out
 
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
+    def step(self, batch: RolloutBatch, *, shards: int = 1) -> dict[str, float]:
         """One optimizer step on this process's share of the batch; returns global metrics.
 
         Each process passes its own rows (whole groups; see `shard_by_group`). Metrics are
         reduced over processes, so every process returns the same dict.
+
+        ``shards`` (one process only): accumulate the gradient as that many data-parallel
+        processes would, each summing the micro-batches of its `shard_by_group` share, the
+        shares then added in rank order. For 2 this gives the bits of a 2-process run (DDP's
+        all-reduce of two addends is that one addition; the loss scale and the average are
+        powers of two); for more, the collective's own summation order decides.
         """
+        if shards > 1 and self._distributed:
+            raise GRPOError("shards emulates several processes in one; this run has them")
         cfg, acc = self.config, self.accelerator
         batch.validate()
         if batch.num_sequences == 0:
@@ -212,6 +226,9 @@ class GRPOTrainer:
             )
             return self._finish(sums, normalizer, groups, groups_kept, all_seqs, None)
 
+        if shards > 1:
+            applied = self._step_as_shards(batch, adv, keep, normalizer, sums, shards)
+            return self._finish(sums, normalizer, groups, groups_kept, all_seqs, applied)
         rows = keep.nonzero().flatten()
         zero_weight = rows.numel() == 0
         if zero_weight:  # this process still joins the gradient all-reduce, with zero loss
@@ -223,6 +240,32 @@ class GRPOTrainer:
             with nullcontext() if sync else acc.no_sync(self.model):
                 self._micro_step(batch.select(chunk), adv[chunk], normalizer, scale, sums)
         return self._finish(sums, normalizer, groups, groups_kept, all_seqs, self._apply())
+
+    def _step_as_shards(
+        self,
+        batch: RolloutBatch,
+        adv: torch.Tensor,
+        keep: torch.Tensor,
+        normalizer: LossNormalizer,
+        sums: MetricSums,
+        shards: int,
+    ) -> tuple[float, bool]:
+        """`step`'s gradient as ``shards`` processes would sum it (see `step`)."""
+        owners = group_owners(batch, shards).to(keep.device)
+        params = list(self.model.parameters())
+        total: list[torch.Tensor | None] = [None] * len(params)
+        for rank in range(shards):
+            rows = ((owners == rank) & keep).nonzero().flatten()
+            if rows.numel() == 0:
+                continue  # that process would add zeros
+            self.optimizer.zero_grad(set_to_none=True)
+            for chunk in rows.split(self.config.micro_batch_size):
+                self._micro_step(batch.select(chunk), adv[chunk], normalizer, 1.0, sums)
+            for i, p in enumerate(params):
+                total[i] = _add_grads(total[i], p.grad)
+        for p, g in zip(params, total, strict=True):
+            p.grad = g
+        return self._apply()
 
     def _micro_step(
         self,
@@ -348,3 +391,11 @@ class GRPOTrainer:
             policy_version=float(self.policy_version),
         )
         return metrics
+
+
+def _add_grads(total: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """total + grad as an all-reduce adds them: a process without a gradient adds zeros."""
+    if grad is None:
+        return None if total is None else total + torch.zeros_like(total)
+    grad = grad.detach()
+    return (torch.zeros_like(grad) if total is None else total) + grad
