@@ -58,12 +58,18 @@ class WeightRecorder:
 
 
 def tiny_run(
-    tmp_path: Path, rl: RLConfig, hooks: RunHooks, *, env: EnvSettings = ENV, check_rows: int = 0
+    tmp_path: Path,
+    rl: RLConfig,
+    hooks: RunHooks,
+    *,
+    env: EnvSettings = ENV,
+    check_rows: int = 0,
+    processes: int = 1,
 ) -> RLRun:
     return RLRun(
         build_model(TINY, ByteTokenizer()),
         rl=rl,
-        trainer=TrainerConfig(lr=1e-2, routing_check_rows=check_rows),
+        trainer=TrainerConfig(lr=1e-2, routing_check_rows=check_rows, processes=processes),
         engine=ENGINE,
         env=env,
         tasks=TaskSource(TaskConfig(), 1),

@@ -1,8 +1,9 @@
 """The ``ray`` backend on a Ray cluster started here on loopback.
 
-Checks: a run with two rollout actors ends with the same weights, bit for bit, as the same
-run on the ``local`` backend (sync mode pins which weights play which group; the engine is
-batch-invariant, so where a group runs does not change its samples), and every actor's
+Checks: a run with two rollout actors and a 2-process trainer (gloo) ends with the same
+weights, bit for bit, as the same config on the ``local`` backend (sync mode pins which
+weights play which group; the engine is batch-invariant, so where a group runs does not
+change its samples; the local trainer accumulates as two ranks would), and every actor's
 engine equals the trainer after each step; an actor killed with SIGKILL in the middle of
 its groups is replaced and its groups are played again, with no partial group reaching the
 trainer; workers join (one catch-up pull) and leave (drained) while training runs, and the
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 # workers start from this interpreter; Ray's `uv run` hook would re-create the environment
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
@@ -46,24 +48,37 @@ def _worker_digests(run) -> list[tuple[int, str]]:
     return ray.get([w.handle.digest.remote() for w in run.rollouts.live])
 
 
-def test_two_actors_give_the_weights_of_the_local_run(tmp_path: Path, cluster) -> None:
+def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
+    tmp_path: Path, cluster
+) -> None:
     rl = RLConfig(mode="sync", steps=3, group_size=3, groups_per_step=2, checkpoint_every=10)
-    local = tiny_run(tmp_path / "local", rl, RunHooks(reward=parity))
-    local_summary = local.run()
+    # one process accumulating as two ranks would; CPU kernels split work by thread, so it
+    # runs with the ranks' one thread each
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = tiny_run(tmp_path / "local", rl, RunHooks(reward=parity), processes=2)
+        local_summary = local.run()
+    finally:
+        torch.set_num_threads(threads)
 
     engine_checks: list[bool] = []
 
     def after_step(step: int, metrics: dict) -> None:
         # sync mode: every actor is on the trainer's version before the next step's groups
-        want = state_digest(state_for_sync(remote.policy))
+        want = state_digest(remote.current_weights())
         digests = _worker_digests(remote)
         engine_checks.append(
             len(digests) == 2
             and all(v == remote.trainer.policy_version and d == want for v, d in digests)
         )
 
-    ray_rl = msgspec.structs.replace(rl, backend="ray", ray=RAY)
-    remote = tiny_run(tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step))
+    ray_rl = msgspec.structs.replace(
+        rl, backend="ray", ray=msgspec.structs.replace(RAY, torch_threads=1)
+    )
+    remote = tiny_run(
+        tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step), processes=2
+    )
     summary = remote.run()
 
     assert summary.steps_done == local_summary.steps_done == 3
@@ -90,21 +105,28 @@ def test_a_killed_actor_is_replaced_and_its_groups_played_again(tmp_path: Path, 
     groups: list[int] = []
     killed: list[str] = []
 
-    async def kill_one(step: int, metrics: dict) -> None:
-        if step != 0:
-            return
+    async def kill_a_busy_worker() -> None:
         while not any(w.inflight for w in run.rollouts.live):
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.005)
         victim = next(w for w in run.rollouts.live if w.inflight)
         os.kill(await victim.handle.pid.remote(), signal.SIGKILL)
         killed.append(victim.name)
-        async with asyncio.timeout(180):  # the trainer waits here for the replacement
-            while "rollout-2" not in [w.name for w in run.rollouts.live]:
-                await asyncio.sleep(0.05)
 
-    hooks = RunHooks(
-        reward=parity, on_step=kill_one, on_group=lambda g: groups.append(len(g.samples))
-    )
+    kill: list[asyncio.Task] = []
+
+    def on_group(group) -> None:
+        groups.append(len(group.samples))
+        if not kill:  # the first group is back; others are being played
+            kill.append(asyncio.get_running_loop().create_task(kill_a_busy_worker()))
+
+    async def on_step(step: int, metrics: dict) -> None:
+        if step == 2:
+            await kill[0]
+            async with asyncio.timeout(180):  # the trainer waits for the replacement
+                while "rollout-2" not in [w.name for w in run.rollouts.live]:
+                    await asyncio.sleep(0.05)
+
+    hooks = RunHooks(reward=parity, on_step=on_step, on_group=on_group)
     run = tiny_run(tmp_path, rl, hooks)
     summary = run.run()
 

@@ -148,6 +148,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``replay``: R3 replays the experts the engine used, R2 the trainer's own no-grad pass,
     ``none`` lets the trainer route freely. ``routing_check_rows``: rows per step re-run
     without replay to measure routing agreement without it (0 disables the extra pass).
+    ``processes``: data-parallel trainer ranks (Ray actors on the ``ray`` backend). The
+    ``local`` backend trains in one process that accumulates gradients as that many ranks
+    would, so the same config gives the same weights on both backends.
     """
 
     lr: float = 3e-4
@@ -155,10 +158,12 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.99])
     replay: Literal["R3", "R2", "none"] = "R3"
     routing_check_rows: int = 4
+    processes: int = 1
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", "must be > 0")
+        _require(self.processes >= 1, "processes", "must be >= 1")
         _require(len(self.betas) == 2, "betas", "must be two numbers")
 
 
@@ -168,7 +173,9 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``address``: the cluster to join (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``); empty
     starts a cluster in this process with ``num_cpus`` CPUs (0: all of the machine's).
     ``workers``: rollout actors at start, each one engine with its own weight subscriber,
-    declaring ``worker_cpus`` / ``worker_gpus``. ``pull_from``: the store URL the actors
+    declaring ``worker_cpus`` / ``worker_gpus``; each trainer rank declares ``trainer_cpus`` /
+    ``trainer_gpus``; ``torch_threads`` (0: Ray's default, one per CPU declared) is set in
+    every actor. ``pull_from``: the store URL the actors
     pull weights from when it is not the one the trainer publishes to (a region's relay).
     ``poll_s``: how often an actor looks for a new version without being told.
     ``replace_lost``: start a new actor when one dies, keeping the pool at its size.
@@ -180,6 +187,8 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_cpus: float = 1.0
     worker_gpus: float = 0.0
     torch_threads: int = 0
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0
     pull_from: str = ""
     poll_s: float = 2.0
     replace_lost: bool = True

@@ -55,6 +55,25 @@ class WorkerSpec:
     store_url: str
 
 
+def connect(config: RayConfig) -> bool:
+    """Join ``config.address``, or start a cluster here; True when this call started Ray."""
+    if not config.address:
+        # A cluster started here runs its workers with this very interpreter: Ray's
+        # `uv run` hook (re-creating the environment per worker) would only slow them.
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False}
+    if config.address:
+        kwargs["address"] = config.address
+    elif config.num_cpus:
+        kwargs["num_cpus"] = config.num_cpus
+    ray.init(**kwargs)
+    return True
+
+
 def state_digest(state: dict[str, torch.Tensor]) -> str:
     """blake2b of every tensor's bit pattern in name order (equal digests: equal bits)."""
     h = hashlib.blake2b(digest_size=16)
@@ -187,20 +206,9 @@ class RayRollouts:
     _t0: float = field(default_factory=time.monotonic)
 
     async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
-        if not self.config.address:
-            # A cluster started here runs its workers with this very interpreter: Ray's
-            # `uv run` hook (re-creating the environment per worker) would only slow them.
-            os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        self._started_ray = await asyncio.to_thread(connect, self.config)
         import ray
 
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False}
-            if self.config.address:
-                kwargs["address"] = self.config.address
-            elif self.config.num_cpus:
-                kwargs["num_cpus"] = self.config.num_cpus
-            await asyncio.to_thread(ray.init, **kwargs)
-            self._started_ray = True
         self._cls = ray.remote(RolloutWorker)
         self.control = (
             ray.remote(PoolControl)

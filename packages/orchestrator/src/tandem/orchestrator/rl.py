@@ -152,10 +152,15 @@ class RLRun:
             log.info(
                 "rl.resumed", step=self.step, policy_version=meta.policy_version, stream=self.stream
             )
-        self.publisher = WeightPublisher(
-            stream_store(self.rl.weights_store, self.run_dir, self.stream),
-            anchor_every=self.rl.anchor_every,
-        )
+        self.local_trainer = self.trainer
+        self._own_ray = False
+        if self.rl.backend == "ray":
+            self.trainer = self.publisher = self._ray_trainer(resumed=self.step > 0)
+        else:
+            self.publisher = WeightPublisher(
+                stream_store(self.rl.weights_store, self.run_dir, self.stream),
+                anchor_every=self.rl.anchor_every,
+            )
         self.publisher.publish(self.trainer.policy_version, self.policy)
         self.rollouts = self._make_rollouts()
         max_staleness = 0 if self.rl.mode == "sync" else self.rl.max_staleness
@@ -172,6 +177,51 @@ class RLRun:
         self._trainer_busy = asyncio.Lock()  # held while the trainer's weights may change
         self._publish_failed = asyncio.Event()
         self.episodes_cut = 0
+
+    def _ray_trainer(self, *, resumed: bool) -> Any:
+        """The trainer ranks as Ray actors, starting from this process's weights (and, on
+        resume, its optimizer state); they publish the stream from its first version."""
+        from tandem.orchestrator.ray_backend import connect
+        from tandem.orchestrator.ray_trainer import RayTrainer, TrainerSpec
+
+        self._own_ray = connect(self.rl.ray)
+        store = stream_store(self.rl.weights_store, self.run_dir, self.stream)
+        url = getattr(store, "root", None) or self._store_url()
+        spec = TrainerSpec(
+            model=self.policy.config,
+            trainer=self.trainer_cfg,
+            deterministic=self.engine_cfg.deterministic,
+            temperature=self.engine_cfg.temperature,
+            store_url=str(url),
+            anchor_every=self.rl.anchor_every,
+            torch_threads=self.rl.ray.torch_threads,
+        )
+        optimizer = self.local_trainer.grpo.optimizer.state_dict() if resumed else None
+        return RayTrainer(
+            spec,
+            self.rl.ray,
+            state={k: v.clone() for k, v in state_for_sync(self.policy).items()},
+            version=self.local_trainer.policy_version,
+            optimizer_state=optimizer,
+            run_name=f"{self.name}-{self.stream}",
+        )
+
+    def _store_url(self) -> str:
+        return f"{self.rl.weights_store.rstrip('/')}/stream-{self.stream:04d}"
+
+    def _fetch_policy(self) -> None:
+        """Ray trainer: bring this process's policy (and optimizer) to rank 0's state."""
+        if self.trainer is self.local_trainer:
+            return
+        state, optimizer, version = self.trainer.snapshot()
+        self.policy.load_state_dict(state)
+        self.local_trainer.grpo.optimizer.load_state_dict(optimizer)
+        self.local_trainer.policy_version = version
+
+    def current_weights(self) -> dict[str, torch.Tensor]:
+        """The trainer's weights now (fetched from rank 0 on the ray backend)."""
+        self._fetch_policy()
+        return state_for_sync(self.policy)
 
     def _make_rollouts(self) -> Any:
         version = self.trainer.policy_version
@@ -292,7 +342,7 @@ class RLRun:
         (retried later)."""
         report = self.publisher.try_publish(self.trainer.policy_version, self.policy)
         if report is not None and self.hooks.on_publish is not None:
-            self.hooks.on_publish(report.version, state_for_sync(self.policy))
+            self.hooks.on_publish(report.version, self.current_weights())
         return report
 
     # -- training ----------------------------------------------------------------------------
@@ -390,10 +440,11 @@ class RLRun:
         }
 
     def _checkpoint(self) -> None:
+        self._fetch_policy()
         self.checkpoints.save(
             self.step,
             model=self.policy,
-            optimizer=self.trainer.grpo.optimizer,
+            optimizer=self.local_trainer.grpo.optimizer,
             policy_version=self.trainer.policy_version,
             task_cursor=self.cursor,
             extra={"stream": self.stream},
@@ -476,6 +527,13 @@ class RLRun:
             final = await self.rollouts.stats()
             await self.rollouts.close()
             self.metrics.close()
+            if self.trainer is not self.local_trainer:
+                self._fetch_policy()  # the run's result lives in this process's policy
+                self.trainer.close()
+            if self._own_ray:
+                import ray
+
+                ray.shutdown()
         return RunSummary(
             steps_done=self.step,
             policy_version=self.trainer.policy_version,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.grpo import ForwardOutput, GRPOConfig, GRPOTrainer, RolloutBatch
+from tandem.grpo import ForwardOutput, GRPOConfig, GRPOTrainer, RolloutBatch, shard_by_group
 from tandem.moe_determinism import (
     MoETransformer,
     RouterReplay,
@@ -97,7 +97,7 @@ def score(
     assert batch.attention_mask is not None
     fed = (batch.attention_mask.sum(1) - 1).clamp_min(0)
     inputs = ids[:, :-1] if ids.shape[1] > 1 else ids
-    n_exp = model.config.num_experts
+    n_exp = getattr(model, "module", model).config.num_experts  # DDP wraps the model
     routing = None
     if replay == "R3":
         routing = RouterReplay(_traces(batch.extras["routes"], fed, n_exp), "R3")
@@ -137,8 +137,10 @@ class RLTrainer:
         policy_version: int = 0,
         deterministic: bool = True,
         temperature: float = 1.0,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
-        from accelerate import Accelerator
+        from accelerate import Accelerator, DistributedDataParallelKwargs
 
         self.config = config
         self.deterministic = deterministic
@@ -163,11 +165,14 @@ class RLTrainer:
             weight_decay=config.weight_decay,
         )
         self.hook = _ReplayForward(config.replay, temperature)
+        self.rank, self.world = rank, world
+        # experts that none of a rank's tokens reach get no gradient on that rank
+        ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if world > 1 else []
         self.grpo = GRPOTrainer(
             model,
             self.optimizer,
             self.grpo_config,
-            Accelerator(cpu=not torch.cuda.is_available()),
+            Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=ddp),
             forward_fn=self.hook,
             policy_version=policy_version,
         )
@@ -183,12 +188,17 @@ class RLTrainer:
     def step(self, groups: Sequence[Sequence[Sample]]) -> dict[str, Any]:
         """One optimizer step on ``groups``; returns GRPO metrics plus agreement figures."""
         batch = collate(groups)
+        if self.world > 1:  # this rank's whole groups; rows renumbered within the share
+            batch = shard_by_group(batch, self.rank, self.world)
+            batch.extras["row"] = torch.arange(batch.num_sequences)
         version = self.policy_version
         self.hook.captured.clear()
         same = (batch.policy_version == version) & (batch.extras["max_version"] == version)
         with batch_invariant(self.deterministic):
             checks = self._routing_check(batch, same)  # before the update: same weights
-            metrics: dict[str, Any] = dict(self.grpo.step(batch))
+            # one process stands in for `processes` ranks: the same sum, the same bits
+            shards = self.config.processes if self.world == 1 else 1
+            metrics: dict[str, Any] = dict(self.grpo.step(batch, shards=shards))
         metrics.update(checks)
         metrics.update(self._mismatch(batch, same))
         return {

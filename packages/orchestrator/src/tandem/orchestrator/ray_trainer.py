@@ -1,0 +1,228 @@
+"""The trainer of the ``ray`` backend: ``trainer.processes`` data-parallel ranks as Ray actors.
+
+Each `TrainerRank` holds the whole model (DDP through accelerate, gloo on CPU, NCCL where
+there are GPUs), trains on its `shard_by_group` share of every step's groups and publishes
+only its own partition of the tensors through delta-sync (rank 0 commits the version), so
+no process ever gathers or sends the whole model. The driver talks to the ranks through
+`RayTrainer`, which stands in for `RLTrainer` and the weight publisher in `RLRun`.
+
+Every rank sees the same groups (small: token ids and routes), so a step depends only on
+them and the weights: with ``processes`` = 2 the update is the one a single process makes
+with ``trainer.processes = 2`` on the local backend (`GRPOTrainer.step`'s ``shards``), bit
+for bit at the same per-process thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+
+from tandem.delta_sync import PayloadReport, PublishReport
+from tandem.moe_determinism import MoEConfig, MoETransformer
+from tandem.orchestrator.config import RayConfig, TrainerConfig
+from tandem.orchestrator.episode import Sample
+
+log = structlog.get_logger()
+
+
+@dataclass
+class TrainerSpec:
+    """What every rank needs to build its trainer and publisher."""
+
+    model: MoEConfig
+    trainer: TrainerConfig
+    deterministic: bool
+    temperature: float
+    store_url: str
+    anchor_every: int
+    torch_threads: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class TrainerRank:
+    """One data-parallel trainer process (the body of a Ray actor)."""
+
+    def __init__(self, spec: TrainerSpec, rank: int, world: int) -> None:
+        self.spec, self.rank, self.world = spec, rank, world
+
+    def master_address(self) -> tuple[str, int]:
+        """Where the gloo group meets (asked of rank 0)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(
+        self,
+        master: tuple[str, int],
+        state: dict[str, torch.Tensor],
+        version: int,
+        optimizer_state: dict[str, Any] | None,
+    ) -> None:
+        from tandem.delta_sync import open_store
+        from tandem.orchestrator.trainer import RLTrainer
+        from tandem.orchestrator.weights import WeightPublisher
+
+        spec = self.spec
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        if self.world > 1:  # what `accelerate launch` would set; accelerate joins the group
+            os.environ.update(
+                MASTER_ADDR=master[0],
+                MASTER_PORT=str(master[1]),
+                RANK=str(self.rank),
+                LOCAL_RANK=str(self.rank),
+                WORLD_SIZE=str(self.world),
+                LOCAL_WORLD_SIZE=str(self.world),
+            )
+            if not torch.cuda.is_available():
+                os.environ["ACCELERATE_USE_CPU"] = "true"
+        model = MoETransformer(spec.model)
+        model.load_state_dict(state)
+        self.trainer = RLTrainer(
+            model,
+            spec.trainer,
+            policy_version=version,
+            deterministic=spec.deterministic,
+            temperature=spec.temperature,
+            rank=self.rank,
+            world=self.world,
+        )
+        if optimizer_state is not None:
+            self.trainer.grpo.optimizer.load_state_dict(optimizer_state)
+        self.publisher = WeightPublisher(
+            open_store(spec.store_url),
+            anchor_every=spec.anchor_every,
+            rank=self.rank,
+            world=self.world,
+        )
+
+    def step(self, groups: list[list[Sample]]) -> dict[str, Any]:
+        return self.trainer.step(groups)
+
+    def publish(self) -> PublishReport | None:
+        return self.publisher.try_publish(self.trainer.policy_version, self.trainer.model)
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+        """(weights, optimizer state, policy version) for a checkpoint or the final policy."""
+        state = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
+        return state, self.trainer.grpo.optimizer.state_dict(), self.trainer.policy_version
+
+
+def merge_reports(reports: list[PublishReport]) -> PublishReport:
+    """One version published in parts, as one report: bytes and counts summed per payload
+    (kind, base), the slowest part's time."""
+    first = reports[0]
+    payloads: list[PayloadReport] = []
+    for i, p in enumerate(first.payloads):
+        same = [r.payloads[i] for r in reports if i < len(r.payloads)]
+        chunks: dict[str, int] = {}
+        for q in same:
+            for k, v in q.chunks.items():
+                chunks[k] = chunks.get(k, 0) + v
+        payloads.append(
+            msgspec.structs.replace(
+                p,
+                nbytes=sum(q.nbytes for q in same),
+                changed=sum(q.changed for q in same),
+                chunks=chunks,
+                shards=sum(q.shards for q in same),
+                uploaded=sum(q.uploaded for q in same),
+                skipped=sum(q.skipped for q in same),
+            )
+        )
+    return msgspec.structs.replace(
+        first,
+        dense_bytes=sum(r.dense_bytes for r in reports),
+        numel=sum(r.numel for r in reports),
+        payloads=payloads,
+        seconds=max(r.seconds for r in reports),
+    )
+
+
+class RayTrainer:
+    """The driver's handle on the trainer ranks: `RLTrainer`'s and `WeightPublisher`'s
+    interface for `RLRun` (step, policy version, publish with a pending retry)."""
+
+    def __init__(
+        self,
+        spec: TrainerSpec,
+        config: RayConfig,
+        *,
+        state: dict[str, torch.Tensor],
+        version: int,
+        optimizer_state: dict[str, Any] | None,
+        run_name: str,
+    ) -> None:
+        import ray
+
+        self.world = spec.trainer.processes
+        cls = ray.remote(TrainerRank)
+        self.ranks = [
+            cls.options(
+                num_cpus=config.trainer_cpus,
+                num_gpus=config.trainer_gpus,
+                name=f"{run_name}-trainer-{rank}",
+            ).remote(spec, rank, self.world)
+            for rank in range(self.world)
+        ]
+        master = ray.get(self.ranks[0].master_address.remote())
+        state_ref = ray.put(state)
+        ray.get([r.setup.remote(master, state_ref, version, optimizer_state) for r in self.ranks])
+        self.policy_version = version
+        self.reports: list[PublishReport] = []
+        self.pending: int | None = None
+        self.failures = 0
+        log.info("ray.trainer_ready", processes=self.world, version=version)
+
+    def step(self, groups: list[list[Sample]]) -> dict[str, Any]:
+        import ray
+
+        results = ray.get([r.step.remote([list(g) for g in groups]) for r in self.ranks])
+        stats: dict[str, Any] = results[0]
+        if stats.get("step_applied"):
+            self.policy_version += 1
+        return stats
+
+    def try_publish(self, version: int, model: Any = None) -> PublishReport | None:
+        """Every rank publishes its part of the current version (rank 0 commits)."""
+        import ray
+
+        if version != self.policy_version:
+            raise ValueError(f"the ranks hold version {self.policy_version}, not {version}")
+        reports = ray.get([r.publish.remote() for r in self.ranks])
+        if any(r is None for r in reports):
+            self.failures += 1
+            self.pending = version
+            return None
+        self.pending = None
+        merged = merge_reports(reports)
+        self.reports.append(merged)
+        return merged
+
+    def publish(self, version: int, model: Any = None) -> PublishReport:
+        report = self.try_publish(version)
+        if report is None:
+            raise RuntimeError(f"publishing version {version} failed: the weight store failed")
+        return report
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+        import ray
+
+        return ray.get(self.ranks[0].snapshot.remote())
+
+    def close(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r, no_restart=True)
