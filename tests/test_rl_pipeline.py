@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from rl_helpers import ENGINE, TINY, WeightRecorder, parity, tiny_run
 
 from tandem.delta_sync import LocalStore, StoreError
@@ -76,7 +77,7 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
 _SCRIPT = textwrap.dedent(
     """
     import sys
-    from tandem.orchestrator.config import EngineConfig, EnvSettings, ModelConfig, RLConfig, TaskConfig, TrainerConfig
+    from tandem.orchestrator.config import EngineConfig, EnvSettings, ModelConfig, RayConfig, RLConfig, TaskConfig, TrainerConfig
     from tandem.orchestrator.policy import build_model
     from tandem.orchestrator.rl import RLRun, RunHooks
     from tandem.orchestrator.tasks import TaskSource
@@ -85,8 +86,8 @@ _SCRIPT = textwrap.dedent(
     model = ModelConfig(**{model!r})
     run = RLRun(
         build_model(model, ByteTokenizer()),
-        rl=RLConfig(mode="sync", steps=4, group_size=3, groups_per_step=1, checkpoint_every=1),
-        trainer=TrainerConfig(lr=1e-2, routing_check_rows=0),
+        rl=RLConfig(mode="sync", steps=4, group_size=3, groups_per_step=2, checkpoint_every=1, {backend}),
+        trainer=TrainerConfig(lr=1e-2, routing_check_rows=0, processes={processes}),
         engine=EngineConfig(max_slots=8, max_len=1024, max_new_tokens=6),
         env=EnvSettings(max_turns=1, allow_unsandboxed=True),
         tasks=TaskSource(TaskConfig(), 1),
@@ -99,11 +100,21 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_resume_after_sigkill(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "processes"),
+    [("local", 1), ('backend="ray", ray=RayConfig(workers=1, num_cpus=3)', 2)],
+    ids=["local", "ray-2-ranks"],
+)
+def test_resume_after_sigkill(tmp_path: Path, backend: str, processes: int) -> None:
+    """The driver (with its Ray cluster, rollout actors and trainer ranks on ``ray``) is
+    killed; the same command resumes from the last checkpoint."""
     import msgspec
 
     script = tmp_path / "run.py"
-    script.write_text(_SCRIPT.format(model=msgspec.to_builtins(TINY)))
+    backend = "" if backend == "local" else backend
+    script.write_text(
+        _SCRIPT.format(model=msgspec.to_builtins(TINY), backend=backend, processes=processes)
+    )
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -245,3 +256,11 @@ def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, mon
     assert read_metrics(tmp_path / "metrics.jsonl")[-1]["episodes_cut"] == 1
     assert groups and all(n == 3 for n in groups)  # no partial group reached the trainer
     assert run.rollouts.engine.free_slots == ENGINE.max_slots
+
+
+def test_more_trainer_ranks_than_groups_is_refused_at_start(tmp_path: Path) -> None:
+    from tandem.orchestrator.config import ConfigValueError
+
+    rl = RLConfig(mode="sync", steps=1, group_size=3, groups_per_step=2)
+    with pytest.raises(ConfigValueError, match=r"trainer\.processes \(3\) exceeds rl\.groups_per"):
+        tiny_run(tmp_path, rl, RunHooks(), processes=3)

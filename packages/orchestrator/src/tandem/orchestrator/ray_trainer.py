@@ -119,6 +119,18 @@ class TrainerRank:
         return state, self.trainer.grpo.optimizer.state_dict(), self.trainer.policy_version
 
 
+def _gather(refs: list[Any]) -> list[Any]:
+    """The results of calls made on every rank; a rank's error is raised as soon as it is
+    there (its peers may be waiting for it in a collective that never completes)."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready[0])
+    return ray.get(refs)
+
+
 def merge_reports(reports: list[PublishReport]) -> PublishReport:
     """One version published in parts, as one report: bytes and counts summed per payload
     (kind, base), the slowest part's time."""
@@ -178,7 +190,7 @@ class RayTrainer:
         ]
         master = ray.get(self.ranks[0].master_address.remote())
         state_ref = ray.put(state)
-        ray.get([r.setup.remote(master, state_ref, version, optimizer_state) for r in self.ranks])
+        _gather([r.setup.remote(master, state_ref, version, optimizer_state) for r in self.ranks])
         self.policy_version = version
         self.reports: list[PublishReport] = []
         self.pending: int | None = None
@@ -186,9 +198,8 @@ class RayTrainer:
         log.info("ray.trainer_ready", processes=self.world, version=version)
 
     def step(self, groups: list[list[Sample]]) -> dict[str, Any]:
-        import ray
 
-        results = ray.get([r.step.remote([list(g) for g in groups]) for r in self.ranks])
+        results = _gather([r.step.remote([list(g) for g in groups]) for r in self.ranks])
         stats: dict[str, Any] = results[0]
         if stats.get("step_applied"):
             self.policy_version += 1
@@ -196,11 +207,10 @@ class RayTrainer:
 
     def try_publish(self, version: int, model: Any = None) -> PublishReport | None:
         """Every rank publishes its part of the current version (rank 0 commits)."""
-        import ray
 
         if version != self.policy_version:
             raise ValueError(f"the ranks hold version {self.policy_version}, not {version}")
-        reports = ray.get([r.publish.remote() for r in self.ranks])
+        reports = _gather([r.publish.remote() for r in self.ranks])
         if any(r is None for r in reports):
             self.failures += 1
             self.pending = version

@@ -49,7 +49,13 @@ from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.buffer import Group, StalenessBuffer
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.checkpoint import CheckpointManager
-from tandem.orchestrator.config import EngineConfig, EnvSettings, RLConfig, TrainerConfig
+from tandem.orchestrator.config import (
+    ConfigValueError,
+    EngineConfig,
+    EnvSettings,
+    RLConfig,
+    TrainerConfig,
+)
 from tandem.orchestrator.engine import InferenceEngine
 from tandem.orchestrator.episode import Sample
 from tandem.orchestrator.metrics import MetricsLog
@@ -125,6 +131,11 @@ class RLRun:
     ) -> None:
         self.policy = policy
         self.name = name or Path(run_dir).name  # names the run's Ray actors
+        if trainer.processes > rl.groups_per_step:
+            raise ConfigValueError(
+                f"trainer.processes ({trainer.processes}) exceeds rl.groups_per_step "
+                f"({rl.groups_per_step}): every trainer rank trains on whole groups"
+            )
         self.rl, self.trainer_cfg, self.engine_cfg, self.env = rl, trainer, engine, env
         self.tasks = tasks
         self.run_dir = Path(run_dir)
