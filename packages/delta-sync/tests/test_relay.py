@@ -150,3 +150,29 @@ def test_relay_serves_what_it_cannot_cache(local_store, tmp_path, trainer, same_
     relay = RelayStore(local_store, FullDisk(tmp_path / "cache"))
     same_bits(Subscriber(relay).materialize(), state)
     assert relay.stats.cache_errors == relay.stats.origin_gets > 0
+
+
+def test_one_relay_serves_streams_under_any_prefix(tmp_path, trainer, same_bits) -> None:
+    """A relay in front of a bucket of streams (``stream-0000/``, ``stream-0001/`` ...): each
+    stream's `latest` stays live and its shards are still verified."""
+    root = LocalStore(tmp_path / "origin")
+    relay = RelayStore(root, LocalStore(tmp_path / "cache"))
+    with StoreServer(relay) as server:
+        for name in ("stream-0000", "stream-0001"):
+            origin = LocalStore(tmp_path / "origin" / name)
+            pub = Publisher(origin, **SMALL)
+            engine = {k: np.zeros_like(v) for k, v in trainer.snapshot().items()}
+            sub = Subscriber(_http(f"{server.url}/{name}"))
+            for version in range(3):
+                pub.publish(version, trainer.step())
+                assert sub.latest() == version  # not a stale cached pointer
+                sub.pull(engine)
+                same_bits(engine, trainer.snapshot())
+        shard = next(k for k in _keys(root) if "/shards/" in k)
+        assert relay.cache.exists(shard)
+        corrupt = RelayStore(
+            CountingStore(root, corrupt="stream-0001/shards/"), LocalStore(tmp_path / "c2")
+        )
+        bad = next(k for k in _keys(root) if k.startswith("stream-0001/shards/"))
+        with pytest.raises(IntegrityError, match="corrupt"):
+            corrupt.get(bad)

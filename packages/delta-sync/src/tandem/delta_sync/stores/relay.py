@@ -28,7 +28,14 @@ from tandem.delta_sync.stores.base import Store, check_key
 
 log = structlog.get_logger()
 
-_MANIFEST = re.compile(r"^versions/(\d+)/manifest\.json$")
+_MANIFEST = re.compile(r"(?:^|/)versions/(\d+)/manifest\.json$")
+_SHARD = re.compile(r"(?:^|/)shards/[0-9a-f]{2}/([0-9a-f]+)\.tds$")
+
+
+def is_latest(key: str) -> bool:
+    """The mutable pointer of a stream at the root or under any prefix (one relay may serve
+    a whole bucket of streams, e.g. a run's ``stream-NNNN/`` after each resume)."""
+    return key == LATEST_KEY or key.endswith("/" + LATEST_KEY)
 
 
 class RelayStats(msgspec.Struct):
@@ -57,15 +64,15 @@ class RelayStore(Store):
         self.stats = RelayStats()
         self._lock = threading.Lock()
         self._fetching: dict[str, threading.Lock] = {}
-        self._latest: tuple[float, bytes] | None = None
+        self._latest: dict[str, tuple[float, bytes]] = {}
 
     def describe(self) -> str:
         return f"relay of {self.origin.describe()} (cache {self.cache.describe()})"
 
     def get(self, key: str) -> bytes:
         check_key(key)
-        if key == LATEST_KEY:
-            return self._get_latest()
+        if is_latest(key):
+            return self._get_latest(key)
         try:
             data = self.cache.get(key)
         except NotFoundError:
@@ -76,22 +83,22 @@ class RelayStore(Store):
 
     def exists(self, key: str) -> bool:
         check_key(key)
-        if key != LATEST_KEY and self.cache.exists(key):
+        if not is_latest(key) and self.cache.exists(key):
             return True
         return self.origin.exists(key)
 
     def put(self, key: str, data: bytes) -> None:
         raise self._read_only_error(key)
 
-    def _get_latest(self) -> bytes:
+    def _get_latest(self, key: str) -> bytes:
         now = time.monotonic()
         with self._lock:
-            held = self._latest
+            held = self._latest.get(key)
         if held is not None and now - held[0] < self.latest_ttl:
             return held[1]
-        data = self.origin.get(LATEST_KEY)
+        data = self.origin.get(key)
         with self._lock:
-            self._latest = (now, data)
+            self._latest[key] = (now, data)
             self.stats.latest_gets += 1
         return data
 
@@ -129,11 +136,11 @@ class RelayStore(Store):
 def _verify(key: str, data: bytes, origin: Store) -> None:
     """A shard's key is its xxh3-128 and a manifest names its version: a corrupt copy is
     refused, never cached."""
-    version = _MANIFEST.match(key)
+    version = _MANIFEST.search(key)
     if version is not None:
         decode_manifest(data, int(version.group(1)))
-    elif key.startswith("shards/") and key.endswith(".tds"):
-        expected = key.rsplit("/", 1)[1].removesuffix(".tds")
+    elif (shard := _SHARD.search(key)) is not None:
+        expected = shard.group(1)
         actual = shard_digest(data)
         if actual != expected:
             raise IntegrityError(
