@@ -6,8 +6,8 @@ weights play which group; the engine is batch-invariant, so where a group runs d
 change its samples; the local trainer accumulates as two ranks would), and every actor's
 engine equals the trainer after each step; an actor killed with SIGKILL in the middle of
 its groups is replaced and its groups are played again, with no partial group reaching the
-trainer; workers join (one catch-up pull) and leave (drained) while training runs, and the
-metrics show the pool size.
+trainer; workers join (one catch-up pull) and leave (drained) while training runs, pulling
+through a relay, and the metrics show the pool size.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ ray = pytest.importorskip("ray")
 
 from rl_helpers import parity, tiny_run  # noqa: E402
 
+from tandem.delta_sync import LocalStore, RelayStore  # noqa: E402
+from tandem.delta_sync.server import StoreServer  # noqa: E402
 from tandem.orchestrator.config import RayConfig, RLConfig  # noqa: E402
 from tandem.orchestrator.metrics import read_metrics  # noqa: E402
 from tandem.orchestrator.ray_backend import state_digest  # noqa: E402
@@ -143,6 +145,10 @@ def test_a_killed_actor_is_replaced_and_its_groups_played_again(tmp_path: Path, 
 
 
 def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> None:
+    # the rollout actors pull through a relay in front of the trainer's store (a region's)
+    (tmp_path / "weights").mkdir()
+    relay = RelayStore(LocalStore(tmp_path / "weights"), LocalStore(tmp_path / "relay-cache"))
+    server = StoreServer(relay).start()
     rl = RLConfig(
         mode="async",
         steps=6,
@@ -152,7 +158,7 @@ def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> 
         checkpoint_every=10,
         anchor_every=3,
         backend="ray",
-        ray=msgspec.structs.replace(RAY, workers=1),
+        ray=msgspec.structs.replace(RAY, workers=1, pull_from=server.url),
     )
     joined: list[tuple[int, int]] = []  # (trainer version when asked, version it started on)
     said: list[tuple[int, str]] = []
@@ -188,7 +194,10 @@ def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> 
                     await asyncio.sleep(0.05)
 
     run = tiny_run(tmp_path, rl, RunHooks(reward=parity, on_step=resize))
-    summary = run.run()
+    try:
+        summary = run.run()
+    finally:
+        server.stop()
 
     assert summary.steps_done == 6
     assert said[0][0] == 0 and f"run {run.name}: 2 rollout workers" in said[0][1], said
@@ -201,3 +210,4 @@ def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> 
     records = read_metrics(tmp_path / "metrics.jsonl")
     pool = [r["rollout_workers"] for r in records]
     assert pool == [1, 1, 2, 2, 2, 1]
+    assert relay.stats.origin_gets > 0 and relay.stats.latest_gets > 0  # weights came that way
