@@ -1,7 +1,7 @@
 """The ``ray`` backend on a Ray cluster started here on loopback.
 
-Checks: a run with two rollout actors and a 2-process trainer (gloo) ends with the same
-weights, bit for bit, as the same config on the ``local`` backend (sync mode pins which
+Checks: two steps of the demo config with two rollout actors and a 2-process trainer (gloo)
+end with the same weights, bit for bit, as the same config on the ``local`` backend (sync mode pins which
 weights play which group; the engine is batch-invariant, so where a group runs does not
 change its samples; the local trainer accumulates as two ranks would), and every actor's
 engine equals the trainer after each step; an actor killed with SIGKILL in the middle of
@@ -28,15 +28,21 @@ ray = pytest.importorskip("ray")
 
 from rl_helpers import parity, tiny_run  # noqa: E402
 
+from tandem.app.config import load_config  # noqa: E402
+from tandem.app.pipeline_config import PipelineConfig  # noqa: E402
 from tandem.delta_sync import LocalStore, RelayStore  # noqa: E402
 from tandem.delta_sync.server import StoreServer  # noqa: E402
+from tandem.orchestrator.chat_format import ChatFormat  # noqa: E402
 from tandem.orchestrator.config import RayConfig, RLConfig  # noqa: E402
 from tandem.orchestrator.metrics import read_metrics  # noqa: E402
+from tandem.orchestrator.policy import build_model  # noqa: E402
 from tandem.orchestrator.ray_backend import state_digest  # noqa: E402
-from tandem.orchestrator.rl import RunHooks  # noqa: E402
+from tandem.orchestrator.rl import RLRun, RunHooks  # noqa: E402
+from tandem.orchestrator.tasks import TaskSource  # noqa: E402
 from tandem.orchestrator.weights import state_for_sync, weights_equal  # noqa: E402
 
 RAY = RayConfig(workers=2, worker_cpus=1, poll_s=0.5)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +56,33 @@ def _worker_digests(run) -> list[tuple[int, str]]:
     return ray.get([w.handle.digest.remote() for w in run.rollouts.live])
 
 
+def _demo_run(run_dir: Path, rl: RLConfig, hooks: RunHooks) -> RLRun:
+    """An RL run with the demo config's model, tasks, episodes, engine and trainer (a fresh
+    model: what matters here is that both backends compute the same numbers)."""
+    cfg = load_config(PipelineConfig, ROOT / "configs" / "demo.toml")
+    return RLRun(
+        build_model(cfg.model, ChatFormat().tok),
+        rl=rl,
+        trainer=msgspec.structs.replace(cfg.trainer, processes=2),
+        engine=cfg.engine,
+        env=msgspec.structs.replace(cfg.env, allow_unsandboxed=True),
+        tasks=TaskSource(cfg.tasks, cfg.tasks.train_seed),
+        run_dir=run_dir,
+        hooks=hooks,
+    )
+
+
 def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     tmp_path: Path, cluster
 ) -> None:
-    rl = RLConfig(mode="sync", steps=3, group_size=3, groups_per_step=2, checkpoint_every=10)
+    demo = load_config(PipelineConfig, ROOT / "configs" / "demo.toml").rl
+    rl = msgspec.structs.replace(demo, mode="sync", steps=2, checkpoint_every=10)
     # one process accumulating as two ranks would; CPU kernels split work by thread, so it
     # runs with the ranks' one thread each
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        local = tiny_run(tmp_path / "local", rl, RunHooks(reward=parity), processes=2)
+        local = _demo_run(tmp_path / "local", rl, RunHooks(reward=parity))
         local_summary = local.run()
     finally:
         torch.set_num_threads(threads)
@@ -78,15 +101,13 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     ray_rl = msgspec.structs.replace(
         rl, backend="ray", ray=msgspec.structs.replace(RAY, torch_threads=1)
     )
-    remote = tiny_run(
-        tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step), processes=2
-    )
+    remote = _demo_run(tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step))
     summary = remote.run()
 
-    assert summary.steps_done == local_summary.steps_done == 3
-    assert summary.policy_version == local_summary.policy_version == 3
+    assert summary.steps_done == local_summary.steps_done == 2
+    assert summary.policy_version == local_summary.policy_version == 2
     assert weights_equal(state_for_sync(remote.policy), state_for_sync(local.policy))
-    assert engine_checks == [True, True, True]
+    assert engine_checks == [True, True]
     assert sorted(remote.rollouts.played_by) == ["rollout-0", "rollout-1"]  # both played
     assert min(remote.rollouts.played_by.values()) >= 1
     assert summary.trajectories == local_summary.trajectories

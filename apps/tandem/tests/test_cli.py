@@ -63,3 +63,14 @@ def test_console_logs_on_a_tty() -> None:
         pass
     else:  # pragma: no cover - a JSON line here means the TTY was ignored
         raise AssertionError("expected console rendering on a TTY, got JSON")
+
+
+def test_train_address_selects_the_ray_backend(capsys) -> None:
+    assert main(["train", "--address", "10.0.0.1:6379", "--dump-config"]) == 0
+    out = capsys.readouterr().out
+    assert 'backend = "ray"' in out and 'address = "10.0.0.1:6379"' in out
+
+
+def test_workers_refuses_a_bad_count(capsys) -> None:
+    assert main(["workers", "add", "0", "--address", "auto", "--run", "x"]) == 2
+    assert "count must be >= 1" in capsys.readouterr().err
