@@ -108,8 +108,8 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     assert summary.policy_version == local_summary.policy_version == 2
     assert weights_equal(state_for_sync(remote.policy), state_for_sync(local.policy))
     assert engine_checks == [True, True]
-    assert sorted(remote.rollouts.played_by) == ["rollout-0", "rollout-1"]  # both played
-    assert min(remote.rollouts.played_by.values()) >= 1
+    assert sorted(remote.rollouts.assigned) == ["rollout-0", "rollout-1"]  # both played
+    assert min(remote.rollouts.assigned.values()) >= 1
     assert summary.trajectories == local_summary.trajectories
     assert summary.last_metrics["rollout_workers"] == 2
 
@@ -160,7 +160,7 @@ def test_a_killed_actor_is_replaced_and_its_groups_played_again(tmp_path: Path, 
     assert groups and all(n == 3 for n in groups)  # only whole groups reached the trainer
     sizes = [n for _, n in run.rollouts.pool_sizes]
     assert 1 in sizes and sizes[-1] == 2  # it was replaced
-    assert "rollout-2" in run.rollouts.played_by  # the replacement took groups
+    assert "rollout-2" in run.rollouts.assigned  # the replacement took groups
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(5))
 
@@ -225,7 +225,7 @@ def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> 
     assert len(joined) == 1
     asked_at, started_on = joined[0]
     assert started_on >= asked_at  # one catch-up pull brought it to a current version
-    assert "rollout-1" in run.rollouts.played_by  # and it took groups
+    assert "rollout-1" in run.rollouts.assigned  # and it took groups
     sizes = [n for _, n in run.rollouts.pool_sizes]
     assert sizes == [1, 2, 1]  # joined, then one drained
     records = read_metrics(tmp_path / "metrics.jsonl")

@@ -202,7 +202,7 @@ class RayRollouts:
     _stats: dict[str, RolloutStats] = field(default_factory=dict)
     _spawning: int = 0
     _changes: set[asyncio.Task[Any]] = field(default_factory=set)
-    played_by: dict[str, int] = field(default_factory=dict)
+    assigned: dict[str, int] = field(default_factory=dict)  # groups handed to each worker
     _t0: float = field(default_factory=time.monotonic)
 
     async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
@@ -318,8 +318,11 @@ class RayRollouts:
 
         while not self.live:
             await asyncio.sleep(0.05)
-        w = min(self.live, key=lambda x: (x.inflight, x.name))
+        # the least busy worker; among equals, the one given the fewest groups so far (a
+        # worker that just joined gets the next group)
+        w = min(self.live, key=lambda x: (x.inflight, self.assigned.get(x.name, 0), x.name))
         w.inflight += 1
+        self.assigned[w.name] = self.assigned.get(w.name, 0) + 1
         try:
             played: PlayedGroup = await w.handle.play.remote(index, min_version)
         except RayActorError as e:
@@ -327,7 +330,6 @@ class RayRollouts:
             raise WorkerLost(f"{w.name} died playing group {index}") from None
         finally:
             w.inflight -= 1
-        self.played_by[w.name] = self.played_by.get(w.name, 0) + 1
         if played.samples:
             w.version = max(w.version, max(s.max_version for s in played.samples))
         return played
