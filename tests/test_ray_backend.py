@@ -109,7 +109,6 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     assert weights_equal(state_for_sync(remote.policy), state_for_sync(local.policy))
     assert engine_checks == [True, True]
     assert sorted(remote.rollouts.assigned) == ["rollout-0", "rollout-1"]  # both played
-    assert min(remote.rollouts.assigned.values()) >= 1
     assert summary.trajectories == local_summary.trajectories
     assert summary.last_metrics["rollout_workers"] == 2
 

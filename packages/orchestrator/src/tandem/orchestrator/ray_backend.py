@@ -358,9 +358,6 @@ class RayRollouts:
         merged.workers = len(self.workers)
         return merged
 
-    async def digests(self) -> dict[str, tuple[int, str]]:
-        return {w.name: await w.handle.digest.remote() for w in self.live}
-
     async def close(self) -> None:
         import ray
 

@@ -60,18 +60,29 @@ from tandem.orchestrator.engine import InferenceEngine
 from tandem.orchestrator.episode import Sample
 from tandem.orchestrator.metrics import MetricsLog
 from tandem.orchestrator.policy import clone_model
-from tandem.orchestrator.rollouts import LocalRollouts, PlayedGroup, RolloutStats, WorkerLost
+from tandem.orchestrator.rollouts import (
+    RETRY_MAX_S,
+    RETRY_S,
+    LocalRollouts,
+    PlayedGroup,
+    RolloutStats,
+    WorkerLost,
+)
 from tandem.orchestrator.step_log import StepProgress, log_step
 from tandem.orchestrator.tasks import TaskSource
 from tandem.orchestrator.trainer import RLTrainer
-from tandem.orchestrator.weights import WeightPublisher, state_for_sync, stream_store
+from tandem.orchestrator.weights import (
+    WeightPublisher,
+    state_for_sync,
+    stream_store,
+    stream_url,
+)
 
 log = structlog.get_logger()
 
 StepCallback = Callable[[int, dict[str, Any]], Any]
 """Called with (step, metrics) after each step; a returned awaitable is awaited before the
 next step."""
-_RETRY_S, _RETRY_MAX_S = 0.5, 5.0  # backoff while the weight store fails
 
 
 @dataclass
@@ -196,14 +207,12 @@ class RLRun:
         from tandem.orchestrator.ray_trainer import RayTrainer, TrainerSpec
 
         self._own_ray = connect(self.rl.ray)
-        store = stream_store(self.rl.weights_store, self.run_dir, self.stream)
-        url = getattr(store, "root", None) or self._store_url()
         spec = TrainerSpec(
             model=self.policy.config,
             trainer=self.trainer_cfg,
             deterministic=self.engine_cfg.deterministic,
             temperature=self.engine_cfg.temperature,
-            store_url=str(url),
+            store_url=stream_url(self.rl.weights_store, self.run_dir, self.stream),
             anchor_every=self.rl.anchor_every,
             torch_threads=self.rl.ray.torch_threads,
         )
@@ -216,9 +225,6 @@ class RLRun:
             optimizer_state=optimizer,
             run_name=f"{self.name}-{self.stream}",
         )
-
-    def _store_url(self) -> str:
-        return f"{self.rl.weights_store.rstrip('/')}/stream-{self.stream:04d}"
 
     def _fetch_policy(self) -> None:
         """Ray trainer: bring this process's policy (and optimizer) to rank 0's state."""
@@ -268,9 +274,7 @@ class RLRun:
         """Where rollout actors pull this stream from: ``ray.pull_from`` (a relay near them)
         or the store the trainer publishes to."""
         base = self.rl.ray.pull_from or self.rl.weights_store
-        if not base:
-            return str(self.run_dir.resolve() / "weights" / f"stream-{self.stream:04d}")
-        return f"{base.rstrip('/')}/stream-{self.stream:04d}"
+        return stream_url(base, self.run_dir, self.stream)
 
     # -- rollouts ----------------------------------------------------------------------------
     async def _play_group(self, index: int, min_version: int = -1) -> Group[Sample] | None:
@@ -338,10 +342,10 @@ class RLRun:
     async def _publish_pending(self) -> None:
         """Retry a failed publish with backoff until it is out; each try publishes the
         trainer's current version, while its weights cannot change."""
-        delay = _RETRY_S
+        delay = RETRY_S
         while self.publisher.pending is not None:
             await asyncio.sleep(delay)
-            delay = min(2 * delay, _RETRY_MAX_S)
+            delay = min(2 * delay, RETRY_MAX_S)
             async with self._trainer_busy:
                 if self.publisher.pending is None:
                     break  # the trainer's own publish got it out while this one waited

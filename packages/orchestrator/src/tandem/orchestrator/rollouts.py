@@ -28,7 +28,7 @@ from tandem.orchestrator.tasks import env_config
 
 log = structlog.get_logger()
 
-_RETRY_S, _RETRY_MAX_S = 0.5, 5.0  # backoff while the weight store fails
+RETRY_S, RETRY_MAX_S = 0.5, 5.0  # backoff while the weight store fails
 
 
 class WorkerLost(RuntimeError):
@@ -194,7 +194,7 @@ class LocalRollouts:
     async def _follow(self) -> None:
         """Pull each newly published version. While the store fails, keep serving the
         weights held and retry with backoff."""
-        delay = _RETRY_S
+        delay = RETRY_S
         while True:
             if self.poll_s is None:
                 await self._published.wait()
@@ -204,12 +204,12 @@ class LocalRollouts:
             self._published.clear()
             try:
                 await self.server.pull(self.subscriber)
-                delay = _RETRY_S
+                delay = RETRY_S
             except StoreError as e:
                 self.pull_failures += 1
                 log.warning("rl.pull_failed", failures=self.pull_failures, error=str(e))
                 await asyncio.sleep(delay)
-                delay = min(2 * delay, _RETRY_MAX_S)
+                delay = min(2 * delay, RETRY_MAX_S)
                 self._published.set()  # try again (a newer version may be there by then)
 
     async def stats(self) -> RolloutStats:

@@ -17,7 +17,6 @@ import structlog
 import torch
 
 from tandem.delta_sync import (
-    LocalStore,
     Publisher,
     PublishReport,
     StoreError,
@@ -28,13 +27,19 @@ from tandem.delta_sync import (
 log = structlog.get_logger()
 
 
-def stream_store(base: str, run_dir: Path, stream: int) -> Any:
-    """The store of stream ``stream``: ``<base>/stream-N`` (base defaults to the run dir)."""
+def stream_url(base: str, run_dir: Path, stream: int) -> str:
+    """Where stream ``stream`` lives: ``<base>/stream-N``, or an absolute directory under the
+    run dir when there is no base (created here), so other processes can open it too."""
     if not base:
-        path = run_dir / "weights" / f"stream-{stream:04d}"
+        path = (run_dir / "weights" / f"stream-{stream:04d}").resolve()
         path.mkdir(parents=True, exist_ok=True)
-        return LocalStore(str(path))
-    return open_store(f"{base.rstrip('/')}/stream-{stream:04d}")
+        return str(path)
+    return f"{base.rstrip('/')}/stream-{stream:04d}"
+
+
+def stream_store(base: str, run_dir: Path, stream: int) -> Any:
+    """The store of stream ``stream`` (see `stream_url`)."""
+    return open_store(stream_url(base, run_dir, stream))
 
 
 def state_for_sync(model: torch.nn.Module) -> dict[str, torch.Tensor]:
