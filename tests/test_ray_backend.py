@@ -3,8 +3,9 @@
 Checks: two steps of the demo config with two rollout actors and a 2-process trainer (gloo)
 end with the same weights, bit for bit, as the same config on the ``local`` backend (sync mode pins which
 weights play which group; the engine is batch-invariant, so where a group runs does not
-change its samples; the local trainer accumulates as two ranks would), and every actor's
-engine equals the trainer after each step; an actor killed with SIGKILL in the middle of
+change its samples; the local trainer accumulates as two ranks would; the Ray run's
+sandboxes live in an environment-pool actor), and every actor's engine equals the trainer
+after each step; an actor killed with SIGKILL in the middle of
 its groups is replaced and its groups are played again, with no partial group reaching the
 trainer; workers join (one catch-up pull) and leave (drained) while training runs, pulling
 through a relay, and the metrics show the pool size.
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, namespace="tandem", include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=5, namespace="tandem", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -88,8 +89,14 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
         torch.set_num_threads(threads)
 
     engine_checks: list[bool] = []
+    pools: list[dict] = []
+    actor_pids: list[int] = []
 
-    def after_step(step: int, metrics: dict) -> None:
+    async def pool_figures() -> None:  # after each step: the last call's figures are kept
+        pools[:] = await remote.rollouts.env_pool_stats()
+        actor_pids[:] = [await w.handle.pid.remote() for w in remote.rollouts.live]
+
+    def after_step(step: int, metrics: dict):
         # sync mode: every actor is on the trainer's version before the next step's groups
         want = state_digest(remote.current_weights())
         digests = _worker_digests(remote)
@@ -97,9 +104,11 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
             len(digests) == 2
             and all(v == remote.trainer.policy_version and d == want for v, d in digests)
         )
+        return pool_figures()
 
+    # the sandboxes run in an environment-pool actor, apart from the engines
     ray_rl = msgspec.structs.replace(
-        rl, backend="ray", ray=msgspec.structs.replace(RAY, torch_threads=1)
+        rl, backend="ray", ray=msgspec.structs.replace(RAY, torch_threads=1, env_pools=1)
     )
     remote = _demo_run(tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step))
     summary = remote.run()
@@ -111,6 +120,10 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     assert sorted(remote.rollouts.assigned) == ["rollout-0", "rollout-1"]  # both played
     assert summary.trajectories == local_summary.trajectories
     assert summary.last_metrics["rollout_workers"] == 2
+    # every episode (kept or dropped) was reset in the pool, none is left open
+    played = rl.steps * rl.groups_per_step * rl.group_size
+    assert len(pools) == 1 and pools[0]["served"] >= played and pools[0]["open"] == 0
+    assert pools[0]["pid"] not in actor_pids and pools[0]["pid"] != os.getpid()
 
 
 def test_a_killed_actor_is_replaced_and_its_groups_played_again(tmp_path: Path, cluster) -> None:

@@ -179,6 +179,11 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pull weights from when it is not the one the trainer publishes to (a region's relay).
     ``poll_s``: how often an actor looks for a new version without being told.
     ``replace_lost``: start a new actor when one dies, keeping the pool at its size.
+    ``stall_s``: an actor that has not returned a group this long past the group's episode
+    budget (``episode_wall_s + grade_timeout_s``) is hung: it is killed, counted lost, and
+    the group re-queued. ``env_pools``: environment-pool actors (declaring ``env_cpus``
+    each) that run every episode's sandbox, apart from the engines; 0 runs the sandboxes
+    inside each rollout actor.
     """
 
     address: str = ""
@@ -192,8 +197,14 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pull_from: str = ""
     poll_s: float = 2.0
     replace_lost: bool = True
+    stall_s: float = 120.0
+    env_pools: int = 0
+    env_cpus: float = 1.0
 
     def __post_init__(self) -> None:
+        _require(self.stall_s > 0, "stall_s", "must be > 0")
+        _require(self.env_pools >= 0, "env_pools", "must be >= 0 (0: sandboxes in each actor)")
+        _require(self.env_cpus >= 0, "env_cpus", "must be >= 0")
         _require(self.workers >= 1, "workers", "must be >= 1")
         _require(self.worker_cpus >= 0, "worker_cpus", "must be >= 0")
         _require(self.worker_gpus >= 0, "worker_gpus", "must be >= 0")

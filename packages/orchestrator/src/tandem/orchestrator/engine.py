@@ -201,8 +201,11 @@ class InferenceEngine:
             report = prepared.apply(self.state)
             self.version = int(prepared.version)
         finally:
-            # cleared only now: a pull waiting for it must not prepare from the old base
-            self._pending_version = None
+            # cleared only now (a pull waiting for it must not prepare from the old base),
+            # and only if no other version was staged meanwhile
+            with self._lock:
+                if self._pending is None:
+                    self._pending_version = None
         self.stats.updates += 1
         self.stats.pause_seconds.append(report.apply_seconds)
         if self.on_apply is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,15 +112,19 @@ async def run_episode(
     max_new_tokens: int,
     max_observation_chars: int,
     generator: torch.Generator,
+    open_env: Callable[[Task, EnvConfig], Any] = Env,
 ) -> Sample:
     """Play ``task`` to the end with the engine's current policy and return the scored sample.
+
+    ``open_env`` makes the episode's environment (an `Env` here, or one with its interface
+    whose sandbox runs elsewhere).
 
     With the engine's ``stop_malformed``, each turn ends at its first token that rules out a
     well-formed call (`CallPrefix`); the turn then fails to parse as it would have at the
     token budget.
     """
     t0 = time.monotonic()
-    env = Env(task, env_config)
+    env = open_env(task, env_config)
     slot = await server.acquire()
     engine = server.engine
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -33,11 +34,11 @@ from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.config import EngineConfig, EnvSettings, RayConfig, TaskConfig
 from tandem.orchestrator.engine import InferenceEngine
+from tandem.orchestrator.ray_envs import NAMESPACE, EnvPool, EnvPools, env_pool_name
 from tandem.orchestrator.rollouts import LocalRollouts, PlayedGroup, RolloutStats, WorkerLost
+from tandem.orchestrator.server import EngineStopped
 
 log = structlog.get_logger()
-
-NAMESPACE = "tandem"
 
 
 @dataclass
@@ -53,6 +54,7 @@ class WorkerSpec:
     seed: int
     group_size: int
     store_url: str
+    env_pools: list[str] = field(default_factory=list)  # actor names; empty: local sandboxes
 
 
 def connect(config: RayConfig) -> bool:
@@ -95,6 +97,7 @@ class RolloutWorker:
 
     async def start(self) -> int:
         """Build the engine and reach the newest version with one pull; returns it."""
+        from tandem.agent_env import Env
         from tandem.delta_sync import Subscriber, open_store, warm_up
         from tandem.orchestrator.tasks import TaskSource
 
@@ -120,6 +123,7 @@ class RolloutWorker:
             seed=spec.seed,
             group_size=spec.group_size,
             poll_s=self.poll_s,
+            open_env=EnvPools.lookup(spec.env_pools, self.name) if spec.env_pools else Env,
         )
         await self.rollouts.start(follow=True)
         log.info("ray.worker_ready", worker=self.name, version=engine.version)
@@ -203,6 +207,7 @@ class RayRollouts:
     _spawning: int = 0
     _changes: set[asyncio.Task[Any]] = field(default_factory=set)
     assigned: dict[str, int] = field(default_factory=dict)  # groups handed to each worker
+    env_pools: list[Any] = field(default_factory=list)  # environment-pool actor handles
     _t0: float = field(default_factory=time.monotonic)
 
     async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
@@ -218,8 +223,26 @@ class RayRollouts:
             .remote(self.config.workers)
         )
         await self.control.resize.remote(self.config.workers - await self.control.get.remote())
+        await self._start_env_pools()
         await asyncio.gather(*(self.add_worker() for _ in range(self.config.workers)))
         return [asyncio.create_task(self._watch())]
+
+    async def _start_env_pools(self) -> None:
+        """The environment-pool actors every rollout actor runs its sandboxes in (if any)."""
+        import ray
+
+        cls = ray.remote(EnvPool)
+        names = [env_pool_name(self.run_name, self.stream, i) for i in range(self.config.env_pools)]
+        self.env_pools = [
+            cls.options(name=n, namespace=NAMESPACE, num_cpus=self.config.env_cpus).remote(n)
+            for n in names
+        ]
+        await asyncio.gather(*(h.stats.remote() for h in self.env_pools))
+        self.spec = dataclasses.replace(self.spec, env_pools=names)
+
+    async def env_pool_stats(self) -> list[dict[str, Any]]:
+        """Per pool: its pid, episodes open now and episodes served so far."""
+        return list(await asyncio.gather(*(h.stats.remote() for h in self.env_pools)))
 
     @property
     def live(self) -> list[_Worker]:
@@ -283,10 +306,16 @@ class RayRollouts:
             self._record_size()
 
     def _lost(self, w: _Worker, error: BaseException) -> None:
+        """Count ``w`` lost (dead, hung or no longer serving) and make sure it is gone."""
+        import ray
+
         if w not in self.workers:
             return  # removed on purpose, or already counted
         self._forget(w)
         self.lost += 1
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                ray.kill(w.handle, no_restart=True)
         log.warning("ray.worker_lost", worker=w.name, error=str(error)[:200])
 
     async def _watch(self) -> None:
@@ -323,11 +352,20 @@ class RayRollouts:
         w = min(self.live, key=lambda x: (x.inflight, self.assigned.get(x.name, 0), x.name))
         w.inflight += 1
         self.assigned[w.name] = self.assigned.get(w.name, 0) + 1
+        # every episode of a group is cut at its budget inside the actor: one that has not
+        # answered well past it is hung (its engine or event loop stuck), not slow
+        env = self.spec.env
+        deadline = env.episode_wall_s + env.grade_timeout_s + self.config.stall_s
         try:
-            played: PlayedGroup = await w.handle.play.remote(index, min_version)
-        except RayActorError as e:
-            self._lost(w, e)
-            raise WorkerLost(f"{w.name} died playing group {index}") from None
+            played: PlayedGroup = await asyncio.wait_for(
+                w.handle.play.remote(index, min_version), timeout=deadline
+            )
+        except (RayActorError, EngineStopped, TimeoutError) as e:
+            why = "died" if isinstance(e, RayActorError) else "stopped serving"
+            if isinstance(e, TimeoutError):
+                why = f"did not answer within {deadline:g} s"
+            self._lost(w, e if not isinstance(e, TimeoutError) else TimeoutError(why))
+            raise WorkerLost(f"{w.name} {why} playing group {index}") from None
         finally:
             w.inflight -= 1
         if played.samples:
@@ -366,6 +404,11 @@ class RayRollouts:
                 await asyncio.wait_for(w.handle.stop.remote(), timeout=10)
             with contextlib.suppress(Exception):
                 ray.kill(w.handle, no_restart=True)
+        for pool in self.env_pools:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pool.stop.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(pool, no_restart=True)
         with contextlib.suppress(Exception):
             ray.kill(self.control, no_restart=True)
         self.workers.clear()

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from tandem.agent_env import SandboxError, Task
+from tandem.agent_env import Env, EnvConfig, SandboxError, Task
 from tandem.delta_sync import StoreError
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.config import EngineConfig, EnvSettings
@@ -82,6 +83,7 @@ async def play_group(
     seed: int,
     index: int,
     group_size: int,
+    open_env: Callable[[Task, EnvConfig], Any] = Env,
 ) -> PlayedGroup:
     """Play ``group_size`` episodes of ``task`` at once (episode j seeded by (seed, index, j)).
 
@@ -101,6 +103,7 @@ async def play_group(
                     max_new_tokens=max_new_tokens,
                     max_observation_chars=env.max_observation_chars,
                     generator=episode_generator(seed, index, j),
+                    open_env=open_env,
                 ),
                 timeout=budget,
             )
@@ -124,6 +127,7 @@ class LocalRollouts:
 
     ``poll_s``: also look for a new version this often without being told (an engine that
     may miss a notification, e.g. one that joined late or runs far from the trainer).
+    ``open_env``: makes each episode's environment (default: a sandbox in this process).
     """
 
     def __init__(
@@ -137,8 +141,10 @@ class LocalRollouts:
         seed: int,
         group_size: int,
         poll_s: float | None = None,
+        open_env: Callable[[Task, EnvConfig], Any] = Env,
     ) -> None:
         self.engine = engine
+        self.open_env = open_env
         self.server = EngineServer(engine)
         self.subscriber = subscriber
         self.tasks = tasks
@@ -165,6 +171,7 @@ class LocalRollouts:
         """Group ``index`` once the engine holds at least ``min_version`` (a group started on
         older weights could only be dropped as stale)."""
         while self.engine.version < min_version:
+            self.server.check_serving()
             await asyncio.sleep(0.01)
         return await play_group(
             self.server,
@@ -175,6 +182,7 @@ class LocalRollouts:
             seed=self.seed,
             index=index,
             group_size=self.group_size,
+            open_env=self.open_env,
         )
 
     def published(self) -> None:
@@ -189,6 +197,7 @@ class LocalRollouts:
                 await asyncio.sleep(0.05)
                 continue
             while self.engine.version < staged:
+                self.server.check_serving()
                 await asyncio.sleep(0.002)
 
     async def _follow(self) -> None:

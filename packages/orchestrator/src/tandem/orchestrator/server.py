@@ -22,6 +22,10 @@ from tandem.orchestrator.engine import InferenceEngine, TurnOutput
 log = structlog.get_logger()
 
 
+class EngineStopped(RuntimeError):
+    """The serving loop has stopped (closed, or its engine failed): no turn will finish."""
+
+
 class EngineServer:
     """Serves `generate` requests from any number of coroutines with one engine."""
 
@@ -30,6 +34,8 @@ class EngineServer:
         self._futures: dict[int, asyncio.Future[TurnOutput]] = {}
         self._wake = asyncio.Event()
         self._closed = False
+        self._failure: BaseException | None = None
+        self._pulling = asyncio.Lock()  # one pull at a time: each prepares from the last
         self._slots = asyncio.Semaphore(engine.free_slots)
         self.busy_seconds = 0.0
         self.prepare_seconds: list[float] = []
@@ -54,11 +60,19 @@ class EngineServer:
         max_new_tokens: int,
         keep_going: Callable[[int], bool] | None = None,
     ) -> TurnOutput:
+        self.check_serving()
         fut: asyncio.Future[TurnOutput] = asyncio.get_running_loop().create_future()
         self._futures[slot] = fut
         self.engine.submit(slot, feed, generator, max_new_tokens, keep_going)
         self._wake.set()
         return await fut
+
+    def check_serving(self) -> None:
+        """Raise `EngineStopped` once the serving loop has stopped (a waiter would hang)."""
+        if self._failure is not None:
+            raise EngineStopped(f"inference engine stopped: {self._failure!r}")
+        if self._closed:
+            raise EngineStopped("inference engine stopped: the server was closed")
 
     def wake(self) -> None:
         self._wake.set()
@@ -81,9 +95,10 @@ class EngineServer:
                 if not self.engine.busy:
                     await asyncio.sleep(0)
         except BaseException as e:
+            self._failure = e
             for fut in self._futures.values():
                 if not fut.done():
-                    fut.set_exception(RuntimeError(f"inference engine stopped: {e!r}"))
+                    fut.set_exception(EngineStopped(f"inference engine stopped: {e!r}"))
             raise
 
     def close(self) -> None:
@@ -91,15 +106,21 @@ class EngineServer:
         self._wake.set()
 
     async def pull(self, subscriber: Any, version: int | None = None) -> int | None:
-        """Prepare ``version`` (default: latest) off the event loop and stage it."""
-        while self.engine.pending_version is not None and not self._closed:
-            await asyncio.sleep(0.005)  # the staged version is based on the current one
-        t0 = time.perf_counter()
-        prepared = await asyncio.to_thread(subscriber.prepare, version)
-        if prepared.version == self.engine.version:
-            return None
-        self.prepare_seconds.append(time.perf_counter() - t0)
-        self.sync_bytes += prepared.downloaded_bytes
-        self.engine.stage_update(prepared)
-        self._wake.set()
-        return prepared.version
+        """Prepare ``version`` (default: latest) off the event loop and stage it.
+
+        Pulls are serialised (a periodic one and a requested one may overlap): each
+        prepares from the version the previous one staged, once that is applied.
+        """
+        async with self._pulling:
+            while self.engine.pending_version is not None:
+                self.check_serving()
+                await asyncio.sleep(0.005)  # the staged version is based on the current one
+            t0 = time.perf_counter()
+            prepared = await asyncio.to_thread(subscriber.prepare, version)
+            if prepared.version <= self.engine.version:
+                return None
+            self.prepare_seconds.append(time.perf_counter() - t0)
+            self.sync_bytes += prepared.downloaded_bytes
+            self.engine.stage_update(prepared)
+            self._wake.set()
+            return prepared.version
