@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from tandem.agent_env import Env, EnvConfig, HiddenTests, Task, ToolCall
+from tandem.agent_env import forkserver as fs
 from tandem.agent_env.runtime import Runtime
 
 
@@ -217,6 +218,37 @@ def test_a_server_killed_between_jobs_is_restarted(config: EnvConfig) -> None:
     first, second, restarts = asyncio.run(main())
     assert first.reward == second.reward == 1.0
     assert restarts == 1
+
+
+def test_a_malformed_job_fails_in_its_own_fork_and_the_server_keeps_serving(
+    config: EnvConfig,
+) -> None:
+    """The server decodes nothing itself (the job's fork does): a message without a socket
+    is skipped, and one that is not a job is reported by its fork, not by a dead server."""
+
+    async def main() -> tuple:
+        await submit(SUM_TASK, config, FIX)  # the server is up
+        server = Runtime.shared(config.sandbox).forkserver
+        assert server is not None and server.ctl is not None
+        pid = server.proc.pid if server.proc else None
+        server.ctl.send(b'{"kind": "session"}')  # no socket attached: ignored
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        mine.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        mine.setblocking(False)
+        with mine:
+            await fs._send_job(server.ctl, b"not a job", theirs.fileno())
+            theirs.close()
+            job_pid, first = await fs._recv_creds(mine)
+            assert first == b"r" and job_pid > 0
+            loop = asyncio.get_running_loop()
+            await loop.sock_sendall(mine, b"g")
+            report = await fs._read_all(mine, 10.0)
+        after = await submit(SUM_TASK, config, FIX)
+        return report, after, pid, server.proc.pid if server.proc else None
+
+    report, after, pid, pid_after = asyncio.run(main())
+    assert b"job failed to start" in report and b"JSONDecodeError" in report
+    assert after.reward == 1.0 and pid_after == pid  # the same server, still serving
 
 
 def test_a_server_that_cannot_start_falls_back_to_sandboxes_of_their_own(config: EnvConfig) -> None:

@@ -292,19 +292,39 @@ def _fork_job():
     return pid
 
 
-def _job(job, sock):
+def _job(msg, fd):
     """The forked child, pid 1 of its namespaces: report to the host, wait to be placed in
-    the job's cgroup, then build its sandbox and run the job."""
+    the job's cgroup, then read the job, build its sandbox and run the job. The job's socket
+    object and its decoded message are made here, not in the server: every object the server
+    makes per job lands on pages it shares with its running jobs, each one copied again after
+    every fork."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except BaseException:
+        os._exit(73)  # never back into the server's loop
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.sendall(b"r")  # the host reads our pid from the socket's credentials
         if sock.recv(1) != b"g":
             os._exit(72)
+        job = json.loads(msg)  # the C codec: less work, fewer pages touched
     except BaseException as e:
         _fatal(sock, f"job failed to start: {type(e).__name__}: {e}")
         os._exit(73)
     _job_init(job, sock)
+
+
+def _job_fd(anc):
+    """The descriptor passed with a job message (SCM_RIGHTS), or -1."""
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= _FD_SIZE:
+            return int.from_bytes(data[:_FD_SIZE], sys.byteorder)
+    return -1
+
+
+_FD_SIZE = 4  # one int
+_ANC_SPACE = socket.CMSG_LEN(_FD_SIZE)  # room for one descriptor: more would be closed
 
 
 def main():
@@ -325,26 +345,28 @@ def main():
     gc.freeze()
     ctl.send(b"ready")
     while True:
+        # as little as possible per job on this side (see _job): the message stays bytes and
+        # the descriptor an int until the fork
         try:
-            msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 1)
+            msg, anc, _, _ = ctl.recvmsg(1 << 20, _ANC_SPACE)
         except InterruptedError:
             continue
         if not msg:
             return
-        if not fds:
+        fd = _job_fd(anc)
+        if fd < 0:
             continue
-        sock = socket.socket(fileno=fds[0])
         try:
-            job = json.loads(msg)  # the C codec: less work, fewer pages touched per fork
             pid = _fork_job()
         except Exception as e:
+            sock = socket.socket(fileno=fd)
             _fatal(sock, f"job was not started: {type(e).__name__}: {e}")
             sock.close()
             continue
         if pid == 0:
             ctl.close()
-            _job(job, sock)
-        sock.close()
+            _job(msg, fd)
+        os.close(fd)
 
 
 if __name__ == "__main__":
