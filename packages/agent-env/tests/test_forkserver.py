@@ -220,6 +220,32 @@ def test_a_server_killed_between_jobs_is_restarted(config: EnvConfig) -> None:
     assert restarts == 1
 
 
+def test_a_forked_episode_has_its_own_loopback_up(config: EnvConfig) -> None:
+    """Each job brings up the loopback interface of its fresh network namespace: a server
+    inside the episode is reachable on 127.0.0.1 (the host's loopback is not: see
+    test_sandbox_escapes)."""
+    echo = call(
+        "bash",
+        command=(
+            'python3 -c \'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); '
+            "s.listen(); c = socket.create_connection(s.getsockname(), timeout=5); "
+            'a, _ = s.accept(); c.sendall(b"lo up"); print(a.recv(5).decode())\''
+        ),
+    )
+
+    async def main() -> tuple:
+        env = Env(SUM_TASK, config)
+        await env.reset()
+        try:
+            assert env._session is not None and env._session.forked
+            return (await env.step(echo)).observation
+        finally:
+            await env.close()
+
+    obs = asyncio.run(main())
+    assert "lo up" in obs.content and not obs.is_error, obs.content
+
+
 def test_a_malformed_job_fails_in_its_own_fork_and_the_server_keeps_serving(
     config: EnvConfig,
 ) -> None:

@@ -28,7 +28,6 @@ as SCM_RIGHTS.
 
 import _signal as signal  # the enum-free core: jobs touch fewer objects (pages copied)
 import ctypes
-import fcntl
 import gc
 import json  # also loaded warm for the supervisors (the test runner keeps its own codec)
 import os
@@ -66,6 +65,11 @@ _LAYERS = "/.layers"
 # that the job then copies. main() also calls the harmless ones once for the same reason.
 _mount_c, _umount2, _unshare, _setns = _LIBC.mount, _LIBC.umount2, _LIBC.unshare, _LIBC.setns
 _prctl, _syscall = _LIBC.prctl, _LIBC.syscall
+_socket_c, _ioctl = _LIBC.socket, _LIBC.ioctl
+_SIOCSIFFLAGS = 0x8914
+_LO_SOCKET = (int(socket.AF_INET), int(socket.SOCK_DGRAM | socket.SOCK_CLOEXEC), 0)
+# struct ifreq (40 bytes): the name, then the flags IFF_UP | IFF_RUNNING
+_IFREQ_LO_UP = struct.pack("16sH", b"lo", 0x1 | 0x40).ljust(40, b"\0")
 _CapHeader, _CapData = ctypes.c_uint32 * 2, ctypes.c_uint32 * 6
 _CAPSET_NR = _SYS_CAPSET.get(os.uname().machine)
 _PR_CAPBSET_READ = 23
@@ -128,8 +132,15 @@ def _setup_mounts(job):
 
 
 def _loopback_up():
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s.fileno(), 0x8914, struct.pack("16sH", b"lo", 0x1 | 0x40))  # UP|RUNNING
+    """The job's loopback interface up (SIOCSIFFLAGS), with libc calls prepared before the
+    fork: a socket object and its class's machinery would be more pages copied per job."""
+    fd = _socket_c(*_LO_SOCKET)
+    if fd < 0:
+        _check(-1, "socket for the loopback interface")
+    try:
+        _check(_ioctl(fd, _SIOCSIFFLAGS, _IFREQ_LO_UP), "bring the loopback interface up")
+    finally:
+        os.close(fd)
 
 
 def _write(path, text):
