@@ -117,27 +117,43 @@ def test_resume_after_sigkill(tmp_path: Path, backend: str, processes: int) -> N
     )
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(run_dir)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    first_log = tmp_path / "first.log"  # a file, not a pipe nobody reads until the end
+    with first_log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(run_dir)], env=env, stdout=out, stderr=out
+        )
     latest = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 560  # both runs; pytest's own timeout is 600 s
     while time.monotonic() < deadline and proc.poll() is None:
         if latest.is_file() and json.loads(latest.read_text())["step"] >= 2:
             break
         time.sleep(0.05)
-    assert proc.poll() is None, proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+    if proc.poll() is not None or time.monotonic() >= deadline:
+        proc.kill()
+        proc.wait()
+        printed = first_log.read_text(errors="replace")
+        pytest.fail(f"the first run ended or stalled before step 2; it printed:\n{printed[-6000:]}")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = json.loads(latest.read_text())["step"]
     assert 2 <= killed_at < 4
 
-    done = subprocess.run(
-        [sys.executable, str(script), str(run_dir)], env=env, capture_output=True, text=True
-    )
+    try:  # within the test's own timeout, so a stuck resume shows what it printed
+        done = subprocess.run(
+            [sys.executable, str(script), str(run_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=max(60.0, deadline - time.monotonic() - 30),
+        )
+    except subprocess.TimeoutExpired as e:
+        out = [
+            x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+            for x in (e.stdout, e.stderr)
+        ]
+        pytest.fail(
+            f"the resumed run did not finish; it printed:\n{out[0][-4000:]}{out[1][-4000:]}"
+        )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "DONE 4 4" in done.stdout
     assert "rl.resumed" in done.stdout + done.stderr

@@ -37,7 +37,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch
 
 from tandem.delta_sync import warm_up
 from tandem.moe_determinism import MoETransformer, batch_invariant
+from tandem.orchestrator.backends import make_rollouts, ray_trainer
 from tandem.orchestrator.buffer import Group, StalenessBuffer
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.checkpoint import CheckpointManager
@@ -56,18 +57,16 @@ from tandem.orchestrator.config import (
     RLConfig,
     TrainerConfig,
 )
-from tandem.orchestrator.engine import InferenceEngine
 from tandem.orchestrator.episode import Sample
 from tandem.orchestrator.metrics import MetricsLog
-from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.rollouts import (
     RETRY_MAX_S,
     RETRY_S,
     LocalRollouts,
     PlayedGroup,
-    RolloutStats,
     WorkerLost,
 )
+from tandem.orchestrator.run_metrics import RunSummary, step_metrics
 from tandem.orchestrator.step_log import StepProgress, log_step
 from tandem.orchestrator.tasks import TaskSource
 from tandem.orchestrator.trainer import RLTrainer
@@ -96,29 +95,6 @@ class RunHooks:
     on_group: Callable[[Group[Sample]], None] | None = None
     reward: Callable[[Sample], float] | None = None
     """Replaces the environment's reward (wiring tests use it to get non-constant groups)."""
-
-
-@dataclass
-class RunSummary:
-    steps_done: int
-    policy_version: int
-    wall_s: float
-    trajectories: int
-    trainer_busy_s: float
-    trainer_wait_s: float
-    dropped_stale: int
-    filtered_equal: int
-    staleness_histogram: dict[int, int]
-    publish_bytes: list[int] = field(default_factory=list)
-    ratios: list[float] = field(default_factory=list)
-    pause_s: list[float] = field(default_factory=list)
-    prepare_s: list[float] = field(default_factory=list)
-    last_metrics: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def trainer_idle_fraction(self) -> float:
-        total = self.trainer_busy_s + self.trainer_wait_s
-        return self.trainer_wait_s / total if total > 0 else 0.0
 
 
 class RLRun:
@@ -177,14 +153,38 @@ class RLRun:
         self.local_trainer = self.trainer
         self._own_ray = False
         if self.rl.backend == "ray":
-            self.trainer = self.publisher = self._ray_trainer(resumed=self.step > 0)
+            self._own_ray, self.trainer = ray_trainer(
+                self.policy,
+                self.local_trainer,
+                rl=self.rl,
+                trainer=self.trainer_cfg,
+                engine=self.engine_cfg,
+                store_url=stream_url(self.rl.weights_store, self.run_dir, self.stream),
+                run_name=f"{self.name}-{self.stream}",
+                resumed=self.step > 0,
+            )
+            self.publisher = self.trainer
         else:
             self.publisher = WeightPublisher(
                 stream_store(self.rl.weights_store, self.run_dir, self.stream),
                 anchor_every=self.rl.anchor_every,
             )
         self.publisher.publish(self.trainer.policy_version, self.policy)
-        self.rollouts = self._make_rollouts()
+        self.rollouts = make_rollouts(
+            self.policy,
+            self.publisher,
+            self.trainer.policy_version,
+            rl=self.rl,
+            engine=self.engine_cfg,
+            env=self.env,
+            tasks=self.tasks,
+            seed=self.seed,
+            pull_url=stream_url(
+                self.rl.ray.pull_from or self.rl.weights_store, self.run_dir, self.stream
+            ),
+            run_name=self.name,
+            stream=self.stream,
+        )
         max_staleness = 0 if self.rl.mode == "sync" else self.rl.max_staleness
         self.buffer: StalenessBuffer[Sample] = StalenessBuffer(
             max_staleness, self.rl.buffer_capacity
@@ -200,32 +200,6 @@ class RLRun:
         self._publish_failed = asyncio.Event()
         self.episodes_cut = 0
 
-    def _ray_trainer(self, *, resumed: bool) -> Any:
-        """The trainer ranks as Ray actors, starting from this process's weights (and, on
-        resume, its optimizer state); they publish the stream from its first version."""
-        from tandem.orchestrator.ray_backend import connect
-        from tandem.orchestrator.ray_trainer import RayTrainer, TrainerSpec
-
-        self._own_ray = connect(self.rl.ray)
-        spec = TrainerSpec(
-            model=self.policy.config,
-            trainer=self.trainer_cfg,
-            deterministic=self.engine_cfg.deterministic,
-            temperature=self.engine_cfg.temperature,
-            store_url=stream_url(self.rl.weights_store, self.run_dir, self.stream),
-            anchor_every=self.rl.anchor_every,
-            torch_threads=self.rl.ray.torch_threads,
-        )
-        optimizer = self.local_trainer.grpo.optimizer.state_dict() if resumed else None
-        return RayTrainer(
-            spec,
-            self.rl.ray,
-            state={k: v.clone() for k, v in state_for_sync(self.policy).items()},
-            version=self.local_trainer.policy_version,
-            optimizer_state=optimizer,
-            run_name=f"{self.name}-{self.stream}",
-        )
-
     def _fetch_policy(self) -> None:
         """Ray trainer: bring this process's policy (and optimizer) to rank 0's state."""
         if self.trainer is self.local_trainer:
@@ -239,42 +213,6 @@ class RLRun:
         """The trainer's weights now (fetched from rank 0 on the ray backend)."""
         self._fetch_policy()
         return state_for_sync(self.policy)
-
-    def _make_rollouts(self) -> Any:
-        version = self.trainer.policy_version
-        if self.rl.backend == "ray":
-            from tandem.orchestrator.ray_backend import RayRollouts, WorkerSpec
-
-            spec = WorkerSpec(
-                model=self.policy.config,
-                engine=self.engine_cfg,
-                env=self.env,
-                tasks=self.tasks.config,
-                task_seed=self.tasks.seed,
-                task_offset=self.tasks.offset,
-                seed=self.seed,
-                group_size=self.rl.group_size,
-                store_url=self._pull_url(),
-            )
-            return RayRollouts(spec, self.rl.ray, run_name=self.name, stream=self.stream)
-        engine = InferenceEngine(
-            clone_model(self.policy), self.engine_cfg, stop_id=self.chat.end_id, version=version
-        )
-        return LocalRollouts(
-            engine,
-            self.publisher.subscriber(version),
-            self.tasks,
-            env=self.env,
-            engine_cfg=self.engine_cfg,
-            seed=self.seed,
-            group_size=self.rl.group_size,
-        )
-
-    def _pull_url(self) -> str:
-        """Where rollout actors pull this stream from: ``ray.pull_from`` (a relay near them)
-        or the store the trainer publishes to."""
-        base = self.rl.ray.pull_from or self.rl.weights_store
-        return stream_url(base, self.run_dir, self.stream)
 
     # -- rollouts ----------------------------------------------------------------------------
     async def _play_group(self, index: int, min_version: int = -1) -> Group[Sample] | None:
@@ -408,52 +346,6 @@ class RLRun:
             stats["publish_failed"] = report is None
         return stats, report
 
-    def _step_metrics(
-        self,
-        groups: list[Group[Sample]],
-        stats: dict[str, Any],
-        report: Any,
-        t_wait: float,
-        rs: RolloutStats,
-    ) -> dict[str, Any]:
-        samples = [s for g in groups for s in g.samples]
-        tokens = sum(len(s.tokens) for s in samples)
-        bstats = self.buffer.stats
-        publish: dict[str, Any] = {}
-        if report is not None:
-            publish = {
-                "sync_bytes": report.step_bytes,
-                "sync_ratio": report.ratio,
-                "sync_changed_frac": report.changed_fraction,
-                "publish_s": report.seconds,
-            }
-        return {
-            **stats,
-            **publish,
-            "reward": sum(s.reward for s in samples) / len(samples),
-            "pass_rate": sum(s.resolved for s in samples) / len(samples),
-            "format_errors": sum(s.format_errors for s in samples) / len(samples),
-            "turns": sum(s.turns for s in samples) / len(samples),
-            "groups_filtered_equal": self.filtered,
-            "dropped_stale": bstats.dropped_stale,
-            "dropped_fraction": bstats.dropped_fraction,
-            "staleness_histogram": {
-                str(k): v for k, v in sorted(bstats.staleness_histogram.items())
-            },
-            "trainer_tokens_per_s": tokens / max(stats["train_s"], 1e-9),
-            "wait_s": t_wait,
-            "rollout_tokens_sampled": rs.tokens_sampled,
-            "engine_version": rs.engine_version,
-            "engine_pause_s": rs.pause_s[-1] if rs.pause_s else None,
-            "engine_prepare_s": rs.prepare_s[-1] if rs.prepare_s else None,
-            "rollout_workers": rs.workers,
-            "trajectories": self.trajectories,
-            "publish_failures": self.publisher.failures,
-            "pull_failures": rs.pull_failures,
-            "episodes_cut": self.episodes_cut,
-            "groups_requeued": self.requeued_total,
-        }
-
     def _checkpoint(self) -> None:
         self._fetch_policy()
         self.checkpoints.save(
@@ -511,8 +403,20 @@ class RLRun:
                     self.rollouts.published()
                 if stats.get("publish_failed"):
                     self._publish_failed.set()
-                stats = self._step_metrics(
-                    groups, stats, report, t_wait, await self.rollouts.stats()
+                stats = step_metrics(
+                    groups,
+                    stats,
+                    report,
+                    t_wait,
+                    await self.rollouts.stats(),
+                    self.buffer.stats,
+                    {
+                        "groups_filtered_equal": self.filtered,
+                        "trajectories": self.trajectories,
+                        "publish_failures": self.publisher.failures,
+                        "episodes_cut": self.episodes_cut,
+                        "groups_requeued": self.requeued_total,
+                    },
                 )
                 now = time.perf_counter()
                 stats["rollout_tokens_per_s"] = (

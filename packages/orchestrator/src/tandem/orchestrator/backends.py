@@ -1,0 +1,103 @@
+"""Where a run's engines and trainer live: in this process (``local``) or as Ray actors.
+
+`RLRun` drives both the same way; these functions build the pieces for ``rl.backend``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.moe_determinism import MoETransformer
+from tandem.orchestrator.chat_format import ChatFormat
+from tandem.orchestrator.config import EngineConfig, EnvSettings, RLConfig, TrainerConfig
+from tandem.orchestrator.engine import InferenceEngine
+from tandem.orchestrator.policy import clone_model
+from tandem.orchestrator.rollouts import LocalRollouts
+from tandem.orchestrator.tasks import TaskSource
+from tandem.orchestrator.trainer import RLTrainer
+from tandem.orchestrator.weights import state_for_sync
+
+
+def ray_trainer(
+    policy: MoETransformer,
+    local: RLTrainer,
+    *,
+    rl: RLConfig,
+    trainer: TrainerConfig,
+    engine: EngineConfig,
+    store_url: str,
+    run_name: str,
+    resumed: bool,
+) -> tuple[bool, Any]:
+    """The trainer ranks as Ray actors, starting from ``policy``'s weights (and, on resume,
+    ``local``'s optimizer state); they publish the stream at ``store_url`` from its first
+    version. Returns (whether this call started Ray, the `RayTrainer`)."""
+    from tandem.orchestrator.ray_backend import connect
+    from tandem.orchestrator.ray_trainer import RayTrainer, TrainerSpec
+
+    started = connect(rl.ray)
+    spec = TrainerSpec(
+        model=policy.config,
+        trainer=trainer,
+        deterministic=engine.deterministic,
+        temperature=engine.temperature,
+        store_url=store_url,
+        anchor_every=rl.anchor_every,
+        torch_threads=rl.ray.torch_threads,
+    )
+    optimizer = local.grpo.optimizer.state_dict() if resumed else None
+    remote = RayTrainer(
+        spec,
+        rl.ray,
+        state={k: v.clone() for k, v in state_for_sync(policy).items()},
+        version=local.policy_version,
+        optimizer_state=optimizer,
+        run_name=run_name,
+    )
+    return started, remote
+
+
+def make_rollouts(
+    policy: MoETransformer,
+    publisher: Any,
+    version: int,
+    *,
+    rl: RLConfig,
+    engine: EngineConfig,
+    env: EnvSettings,
+    tasks: TaskSource,
+    seed: int,
+    pull_url: str,
+    run_name: str,
+    stream: int,
+) -> Any:
+    """The run's rollout side, starting at ``version``: one engine here following
+    ``publisher``'s stream (``local``), or rollout actors pulling from ``pull_url``
+    (``ray``)."""
+    if rl.backend == "ray":
+        from tandem.orchestrator.ray_backend import RayRollouts, WorkerSpec
+
+        spec = WorkerSpec(
+            model=policy.config,
+            engine=engine,
+            env=env,
+            tasks=tasks.config,
+            task_seed=tasks.seed,
+            task_offset=tasks.offset,
+            seed=seed,
+            group_size=rl.group_size,
+            store_url=pull_url,
+        )
+        return RayRollouts(spec, rl.ray, run_name=run_name, stream=stream)
+    engine_here = InferenceEngine(
+        clone_model(policy), engine, stop_id=ChatFormat().end_id, version=version
+    )
+    return LocalRollouts(
+        engine_here,
+        publisher.subscriber(version),
+        tasks,
+        env=env,
+        engine_cfg=engine,
+        seed=seed,
+        group_size=rl.group_size,
+    )
