@@ -1,7 +1,8 @@
 """The ``ray`` backend on a Ray cluster started here on loopback.
 
-Checks: two steps of the demo config with two rollout actors and a 2-process trainer (gloo)
-end with the same weights, bit for bit, as the same config on the ``local`` backend (sync mode pins which
+Checks: three ``pipelined`` steps of the demo config (rollouts of the next step overlap
+training, in lock step) with two rollout actors and a 2-process trainer (gloo) end with the
+same weights, bit for bit, as the same config on the ``local`` backend (the mode pins which
 weights play which group; the engine is batch-invariant, so where a group runs does not
 change its samples; the local trainer accumulates as two ranks would; the Ray run's
 sandboxes live in an environment-pool actor), and every actor's engine equals the trainer
@@ -77,7 +78,7 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     tmp_path: Path, cluster
 ) -> None:
     demo = load_config(PipelineConfig, ROOT / "configs" / "demo.toml").rl
-    rl = msgspec.structs.replace(demo, mode="sync", steps=2, checkpoint_every=10)
+    rl = msgspec.structs.replace(demo, mode="pipelined", steps=3, checkpoint_every=10)
     # one process accumulating as two ranks would; CPU kernels split work by thread, so it
     # runs with the ranks' one thread each
     threads = torch.get_num_threads()
@@ -96,13 +97,17 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
         pools[:] = await remote.rollouts.env_pool_stats()
         actor_pids[:] = [await w.handle.pid.remote() for w in remote.rollouts.live]
 
+    # the trainer's weights of each version (version 0: the initial ones)
+    want: dict[int, str] = {}
+
     def after_step(step: int, metrics: dict):
-        # sync mode: every actor is on the trainer's version before the next step's groups
-        want = state_digest(remote.current_weights())
+        # pipelined: after step k (trainer on k+1) every actor holds version k, the one
+        # playing step k+1's groups
+        want[remote.trainer.policy_version] = state_digest(remote.current_weights())
+        behind = remote.trainer.policy_version - 1
         digests = _worker_digests(remote)
         engine_checks.append(
-            len(digests) == 2
-            and all(v == remote.trainer.policy_version and d == want for v, d in digests)
+            len(digests) == 2 and all(v == behind and d == want[behind] for v, d in digests)
         )
         return pool_figures()
 
@@ -111,12 +116,15 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
         rl, backend="ray", ray=msgspec.structs.replace(RAY, torch_threads=1, env_pools=1)
     )
     remote = _demo_run(tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step))
+    want[0] = state_digest(state_for_sync(remote.policy))
     summary = remote.run()
 
-    assert summary.steps_done == local_summary.steps_done == 2
-    assert summary.policy_version == local_summary.policy_version == 2
+    assert summary.steps_done == local_summary.steps_done == 3
+    assert summary.policy_version == local_summary.policy_version == 3
     assert weights_equal(state_for_sync(remote.policy), state_for_sync(local.policy))
-    assert engine_checks == [True, True]
+    assert engine_checks == [True, True, True]
+    assert summary.staleness_histogram == local_summary.staleness_histogram
+    assert summary.staleness_histogram[1] == 2 * rl.groups_per_step  # steps 1 and 2
     assert sorted(remote.rollouts.assigned) == ["rollout-0", "rollout-1"]  # both played
     assert summary.trajectories == local_summary.trajectories
     assert summary.last_metrics["rollout_workers"] == 2

@@ -74,6 +74,35 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
     assert summary.staleness_histogram.keys() == {0}
 
 
+def test_pipelined_steps_train_on_the_version_before_and_repeat_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """``pipelined``: step k+1's groups play on version k while step k trains, so steps 0 and
+    1 train on version 0's groups and every later step on the version just before the
+    trainer's (staleness 1); the schedule does not depend on timing, so a second run gives
+    the same weights bit for bit."""
+    from tandem.orchestrator.weights import state_for_sync, weights_equal
+
+    rl = RLConfig(mode="pipelined", steps=4, group_size=3, groups_per_step=2, checkpoint_every=9)
+    runs = []
+    for name in ("a", "b"):
+        run = tiny_run(tmp_path / name, rl, RunHooks(reward=parity))
+        summary = run.run()
+        assert summary.steps_done == 4 and summary.policy_version == 4
+        runs.append(run)
+    assert weights_equal(state_for_sync(runs[0].policy), state_for_sync(runs[1].policy))
+    for name in ("a", "b"):
+        records = read_metrics(tmp_path / name / "metrics.jsonl")
+        # cumulative over the run: the trainer's version at step k is k
+        assert [r["staleness_histogram"] for r in records] == [
+            {"0": 2},
+            {"0": 2, "1": 2},
+            {"0": 2, "1": 4},
+            {"0": 2, "1": 6},
+        ]
+        assert [r["engine_version"] for r in records] == [0, 1, 2, 3]  # a step behind
+
+
 _SCRIPT = textwrap.dedent(
     """
     import sys

@@ -217,14 +217,18 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The asynchronous (or synchronous) GRPO stage.
 
     ``mode``: ``async`` overlaps rollouts and training; ``sync`` alternates them (max_staleness
-    is then 0 by construction). ``max_staleness``: a group produced by policy version v is
+    is then 0 by construction); ``pipelined`` overlaps them in lock step: step k+1's groups
+    play on version k (every engine on it, none swapping mid-group) while the trainer trains
+    step k on groups of version k-1, so staleness is exactly 1 (0 in the first two steps)
+    and the run depends only on its seeds, not on timing or the number of engines.
+    ``max_staleness``: a group produced by policy version v is
     trained on only while trainer_version - v <= max_staleness. ``rollout_workers``: groups in
     flight at once. ``max_ahead``: how many trainer steps rollouts may start ahead
     (0: max_staleness + 1, the bound that keeps drops rare). ``backend``: where the engines
     run, ``local`` (one in this process) or ``ray`` (rollout actors, see `RayConfig`).
     """
 
-    mode: Literal["async", "sync"] = "async"
+    mode: Literal["async", "sync", "pipelined"] = "async"
     backend: Literal["local", "ray"] = "local"
     steps: int = 20
     group_size: int = 4
@@ -252,7 +256,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def effective_max_ahead(self) -> int:
-        if self.mode == "sync":
+        if self.mode != "async":
             return 1
         return self.max_ahead or self.max_staleness + 1
 

@@ -95,8 +95,10 @@ class RolloutWorker:
         self.rollouts: LocalRollouts | None = None
         self._scope = contextlib.ExitStack()
 
-    async def start(self) -> int:
-        """Build the engine and reach the newest version with one pull; returns it."""
+    async def start(self, follow: bool = True) -> int:
+        """Build the engine and reach the newest version with one pull; returns it. With
+        ``follow`` the engine also pulls each newer version by itself (otherwise only on
+        `sync_to`)."""
         from tandem.agent_env import Env
         from tandem.delta_sync import Subscriber, open_store, warm_up
         from tandem.orchestrator.tasks import TaskSource
@@ -125,7 +127,7 @@ class RolloutWorker:
             poll_s=self.poll_s,
             open_env=EnvPools.lookup(spec.env_pools, self.name) if spec.env_pools else Env,
         )
-        await self.rollouts.start(follow=True)
+        await self.rollouts.start(follow=follow)
         log.info("ray.worker_ready", worker=self.name, version=engine.version)
         return engine.version
 
@@ -209,8 +211,10 @@ class RayRollouts:
     assigned: dict[str, int] = field(default_factory=dict)  # groups handed to each worker
     env_pools: list[Any] = field(default_factory=list)  # environment-pool actor handles
     _t0: float = field(default_factory=time.monotonic)
+    _follow: bool = True  # actors pull each new version by themselves (async mode)
 
     async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
+        self._follow = follow
         self._started_ray = await asyncio.to_thread(connect, self.config)
         import ray
 
@@ -272,7 +276,7 @@ class RayRollouts:
         ).remote(self.spec, name, self.config.torch_threads, self.config.poll_s)
         self._spawning += 1
         try:
-            version = await handle.start.remote()
+            version = await handle.start.remote(self._follow)
         finally:
             self._spawning -= 1
         self.workers.append(_Worker(name, handle, version=version))
@@ -377,11 +381,16 @@ class RayRollouts:
             w.handle.published.remote()
 
     async def sync_to(self, version: int) -> None:
-        for w in list(self.live):
-            try:
-                w.version = await w.handle.sync_to.remote(version)
-            except Exception as e:  # a dead actor is replaced; the new one starts current
-                self._lost(w, e)
+        """Every live actor on ``version`` (they pull at once)."""
+        live = list(self.live)
+        got = await asyncio.gather(
+            *(w.handle.sync_to.remote(version) for w in live), return_exceptions=True
+        )
+        for w, v in zip(live, got, strict=True):
+            if isinstance(v, BaseException):  # a dead actor is replaced; the new one starts
+                self._lost(w, v)  # current
+            else:
+                w.version = v
 
     async def stats(self) -> RolloutStats:
         """Counters over every actor the run had (a gone actor's last figures are kept, so

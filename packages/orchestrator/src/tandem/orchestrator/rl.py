@@ -9,7 +9,9 @@ trainer_version - v <= max_staleness; workers start a group only while fewer tha
 ``max_ahead`` steps' worth of groups are in flight or waiting, which keeps drops rare.
 
 ``sync`` mode alternates: play a step's groups with the current weights, train, publish,
-pull, repeat (no overlap, staleness 0).
+pull, repeat (no overlap, staleness 0). ``pipelined`` mode plays step k+1's groups with
+version k while step k trains on version k-1's (overlap in lock step, staleness 1): as
+deterministic as ``sync``, without the trainer idling through every rollout.
 
 Where the engines run is the backend's business: ``local`` keeps one engine in this process
 (`LocalRollouts`); ``ray`` spreads them over rollout actors on a Ray cluster
@@ -185,7 +187,7 @@ class RLRun:
             run_name=self.name,
             stream=self.stream,
         )
-        max_staleness = 0 if self.rl.mode == "sync" else self.rl.max_staleness
+        max_staleness = {"sync": 0, "pipelined": 1}.get(self.rl.mode, self.rl.max_staleness)
         self.buffer: StalenessBuffer[Sample] = StalenessBuffer(
             max_staleness, self.rl.buffer_capacity
         )
@@ -198,6 +200,8 @@ class RLRun:
         self.requeued_total = 0
         self._trainer_busy = asyncio.Lock()  # held while the trainer's weights may change
         self._publish_failed = asyncio.Event()
+        self._next: asyncio.Task[list[Group[Sample]]] | None = None  # pipelined: next step's
+        self._next_cursor = 0  # ... groups, and the task cursor they started from
         self.episodes_cut = 0
 
     def _fetch_policy(self) -> None:
@@ -304,26 +308,59 @@ class RLRun:
         return len(rewards) > 1
 
     async def _take_groups(self) -> list[Group[Sample]]:
+        if self.rl.mode == "sync":
+            return await self._play_step()
+        if self.rl.mode == "pipelined":
+            return await self._take_pipelined()
         groups: list[Group[Sample]] = []
         while len(groups) < self.rl.groups_per_step:
-            if self.rl.mode == "sync":
-                need = self.rl.groups_per_step - len(groups)
-                indices = list(range(self.cursor, self.cursor + need))
-                self.cursor += need
-                played = await asyncio.gather(*(self._play_sync(i) for i in indices))
-                taken = [g for g in played if g is not None]
-                self.buffer.stats.taken += len(taken)
-                self.buffer.stats.staleness_histogram[0] = (
-                    self.buffer.stats.staleness_histogram.get(0, 0) + len(taken)
-                )
-            else:
-                taken = await self.buffer.take(1, self.trainer.policy_version)
-            for g in taken:
+            for g in await self.buffer.take(1, self.trainer.policy_version):
                 if self._informative(g):
                     groups.append(g)
                 else:
                     self.filtered += 1
         return groups
+
+    async def _play_step(self) -> list[Group[Sample]]:
+        """One step's informative groups, played from the task cursor on the engines' current
+        weights (sync and pipelined modes: a group's place in the run fixes its samples)."""
+        groups: list[Group[Sample]] = []
+        while len(groups) < self.rl.groups_per_step:
+            need = self.rl.groups_per_step - len(groups)
+            indices = list(range(self.cursor, self.cursor + need))
+            self.cursor += need
+            played = await asyncio.gather(*(self._play_sync(i) for i in indices))
+            for g in played:
+                if g is None:
+                    continue
+                if self._informative(g):
+                    groups.append(g)
+                else:
+                    self.filtered += 1
+        return groups
+
+    async def _take_pipelined(self) -> list[Group[Sample]]:
+        """This step's groups (played during the last step's training), then the engines move
+        to the trainer's version and start the next step's groups while this one trains."""
+        if self._next is None:
+            self._next_cursor = self.cursor
+            self._next = asyncio.create_task(self._play_step())
+        groups = await self._next
+        self._next = None
+        await self._publish_pending()  # no group on a version that is not out
+        await self.rollouts.sync_to(self.trainer.policy_version)
+        if self.step + 1 < self.rl.steps:
+            self._next_cursor = self.cursor
+            self._next = asyncio.create_task(self._play_step())
+        return groups
+
+    def _count_taken(self, groups: list[Group[Sample]]) -> None:
+        """Sync and pipelined modes bypass the buffer: count their groups' staleness here."""
+        stats = self.buffer.stats
+        for g in groups:
+            lag = self.trainer.policy_version - g.policy_version
+            stats.taken += 1
+            stats.staleness_histogram[lag] = stats.staleness_histogram.get(lag, 0) + 1
 
     async def _play_sync(self, index: int) -> Group[Sample] | None:
         """Sync mode: a group lost with its worker is played again at once (same index, same
@@ -353,7 +390,8 @@ class RLRun:
             model=self.policy,
             optimizer=self.local_trainer.grpo.optimizer,
             policy_version=self.trainer.policy_version,
-            task_cursor=self.cursor,
+            # pipelined: the next step's groups in flight are played again after a resume
+            task_cursor=self._next_cursor if self._next is not None else self.cursor,
             extra={"stream": self.stream},
         )
 
@@ -395,6 +433,8 @@ class RLRun:
                     )
                     break
                 t_wait = time.perf_counter() - t0  # the trainer idles while it waits for data
+                if self.rl.mode != "async":
+                    self._count_taken(groups)
                 async with self._trainer_busy:
                     stats, report = await asyncio.to_thread(self._train, groups)
                 self.wait_s += t_wait
@@ -439,6 +479,8 @@ class RLRun:
                     self._checkpoint()
         finally:
             bar.close()
+            if self._next is not None:
+                own.append(self._next)
             for task in own:
                 task.cancel()
             await asyncio.gather(*own, return_exceptions=True)
