@@ -1,9 +1,10 @@
-"""Asynchronous vs synchronous GRPO: the same config for the same wall time, side by side.
+"""Asynchronous, pipelined and synchronous GRPO: the same config for the same wall time.
 
-Both modes start from the same policy and play real episodes (a sandbox per episode, hidden
+All three modes start from the same policy and play real episodes (a sandbox per episode, hidden
 tests run in the sandbox to grade every episode). Printed per mode: trajectories/s, trainer
 idle fraction (time the trainer waits for data / its total time), steps, stale drops, and
-the held-out pass@1 reached; then the async/sync ratios.
+the held-out pass@1 reached; then the pipelined/sync and async/sync ratios (pipelined:
+rollouts of the next step overlap training in lock step, staleness 1).
 
     uv run python benchmarks/async_vs_sync.py                       # policy: runs/demo/midtrained
     uv run python benchmarks/async_vs_sync.py --seconds 300 --max-staleness 2
@@ -70,7 +71,8 @@ def main() -> int:
         hooks = RunHooks(reward=lambda s: float(sum(s.tokens[-len(s.tokens) // 3 :]) % 2))
 
     results = {}
-    for mode in ("sync", "async"):
+    modes = ("sync", "pipelined", "async")
+    for mode in modes:
         rl = msgspec.structs.replace(
             cfg.rl,
             mode=mode,
@@ -116,13 +118,14 @@ def main() -> int:
         }
         torch.manual_seed(0)
 
-    s, a = results["sync"], results["async"]
+    s = results["sync"]
     print()
     print(
-        f"async vs sync, {args.seconds:.0f} s each, max_staleness {args.max_staleness}, "
-        f"{cfg.rl.groups_per_step} groups x {cfg.rl.group_size} per step"
+        f"async and pipelined vs sync, {args.seconds:.0f} s each, async max_staleness "
+        f"{args.max_staleness}, {cfg.rl.groups_per_step} groups x {cfg.rl.group_size} per step"
     )
-    print(f"{'':28}{'sync':>12}{'async':>12}{'async/sync':>12}")
+    heads = [*modes, "pipelined/sync", "async/sync"]
+    print(f"{'':28}" + "".join(f"{h:>16}" for h in heads))
     rows = [
         ("wall time (s)", "wall_s", ".0f"),
         ("RL steps", "steps", "d"),
@@ -133,8 +136,11 @@ def main() -> int:
         (f"held-out pass@1 ({args.eval_tasks} tasks)", "pass1", ".3f"),
     ]
     for label, key, spec in rows:
-        ratio = a[key] / s[key] if s[key] else float("nan")
-        print(f"{label:28}{format(s[key], spec):>12}{format(a[key], spec):>12}{ratio:>12.2f}")
+        cells = [format(results[m][key], spec) for m in modes]
+        ratios = [
+            f"{results[m][key] / s[key]:.2f}" if s[key] else "nan" for m in ("pipelined", "async")
+        ]
+        print(f"{label:28}" + "".join(f"{c:>16}" for c in [*cells, *ratios]))
     return 0
 
 

@@ -95,10 +95,10 @@ class RolloutWorker:
         self.rollouts: LocalRollouts | None = None
         self._scope = contextlib.ExitStack()
 
-    async def start(self, follow: bool = True) -> int:
-        """Build the engine and reach the newest version with one pull; returns it. With
-        ``follow`` the engine also pulls each newer version by itself (otherwise only on
-        `sync_to`)."""
+    async def start(self, follow: bool = True, version: int | None = None) -> int:
+        """Build the engine and reach ``version`` (default: the newest) with one pull;
+        returns it. With ``follow`` the engine also pulls each newer version by itself
+        (otherwise only on `sync_to`)."""
         from tandem.agent_env import Env
         from tandem.delta_sync import Subscriber, open_store, warm_up
         from tandem.orchestrator.tasks import TaskSource
@@ -110,7 +110,7 @@ class RolloutWorker:
         model = MoETransformer(spec.model)
         engine = InferenceEngine(model, spec.engine, stop_id=ChatFormat().end_id, version=-1)
         subscriber = Subscriber(open_store(spec.store_url))
-        prepared = await asyncio.to_thread(subscriber.prepare)
+        prepared = await asyncio.to_thread(subscriber.prepare, version)
         engine.stage_update(prepared)
         engine.apply_pending()
         # the delta kernels get ready while the first groups play, not in the first pause
@@ -212,6 +212,7 @@ class RayRollouts:
     env_pools: list[Any] = field(default_factory=list)  # environment-pool actor handles
     _t0: float = field(default_factory=time.monotonic)
     _follow: bool = True  # actors pull each new version by themselves (async mode)
+    _pinned: int | None = None  # otherwise: the version `sync_to` put the pool on
 
     async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
         self._follow = follow
@@ -276,7 +277,11 @@ class RayRollouts:
         ).remote(self.spec, name, self.config.torch_threads, self.config.poll_s)
         self._spawning += 1
         try:
-            version = await handle.start.remote(self._follow)
+            # a worker joining a pool that does not follow starts on the pool's version, so a
+            # replaced worker replays its groups on the weights they were meant for
+            version = await handle.start.remote(
+                self._follow, None if self._follow else self._pinned
+            )
         finally:
             self._spawning -= 1
         self.workers.append(_Worker(name, handle, version=version))
@@ -382,6 +387,7 @@ class RayRollouts:
 
     async def sync_to(self, version: int) -> None:
         """Every live actor on ``version`` (they pull at once)."""
+        self._pinned = version
         live = list(self.live)
         got = await asyncio.gather(
             *(w.handle.sync_to.remote(version) for w in live), return_exceptions=True
