@@ -190,3 +190,26 @@ def test_warm_up_readies_the_kernels_a_pull_will_call() -> None:
     ).stdout.split(" ", 1)
     assert out[0] == "0"
     assert "uint32" in out[1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.binary(min_size=0, max_size=300), st.integers(0, 3))
+def test_escape_count_reads_only_the_first_k_codes(data, cut) -> None:
+    """The byte-wise count equals a code-by-code count, whatever the padding bits hold."""
+    from tandem.delta_sync import kernels
+
+    packed = np.frombuffer(data, np.uint8)
+    k = max(0, 4 * packed.size - cut)
+    codes = codec.unpack_small(packed, k) if packed.size else np.zeros(0, np.uint8)
+    assert kernels.count_escapes(packed, k) == int(np.count_nonzero(codes == 3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=2000))
+def test_last_position_without_a_high_part_is_the_sum_of_the_gaps(data) -> None:
+    from tandem.delta_sync import kernels
+
+    glow = np.frombuffer(data, np.uint8)
+    empty = np.frombuffer(b"", np.uint8)
+    expected = int(np.sum(glow.astype(np.int64) + 1)) - 1
+    assert kernels.sparse_last(glow, empty, np.zeros(1, np.uint32)) == expected

@@ -205,10 +205,11 @@ class _ScanBuffers:
     def __init__(self, limit: int, itemsize: int) -> None:
         uint = UINT_BY_WIDTH[itemsize]
         self.limit = limit
-        self.gaps = np.empty(limit + 1, np.uint32)
-        self.vals = np.empty(limit + 1, uint)
-        self.packed = np.empty(limit // 4 + 1, np.uint8)
+        self.glow = np.empty(limit + 1, np.uint8)
+        self.ghigh = np.empty(limit + 1, np.uint32)
+        self.vpacked = np.empty(limit // 4 + 1, np.uint8)
         self.vesc = np.empty(limit + 1, uint)
+        self.hpacked = np.empty(limit // 4 + 1, np.uint8)
         self.hesc = np.empty(limit + 1, np.uint32)
 
 
@@ -242,24 +243,22 @@ def encode_sparse_scan(
     limit = sparse_limit(new.size)
     b = _scan_buffers(limit, new.itemsize)
     scan = kernels.sparse_scan_advance if advance else kernels.sparse_scan
-    k, gmax = scan(new, old, limit, b.gaps, b.vals)
+    k, gmax, ne, emax = scan(new, old, limit, b.glow, b.ghigh, b.vpacked, b.vesc)
     if k <= 0:
         return None, k
     cctx = _cctx(level)
-    gaps = b.gaps[:k]
-    frames = [cctx.compress(gaps.astype(np.uint8).data)]
+    frames = [cctx.compress(b.glow[:k].data)]
     gw = 1
-    packed = b.packed[: (k + 3) // 4]
     if gmax >= 256:
-        nh, hmax = kernels.pack_small(gaps >> np.uint32(8), packed, b.hesc)
+        hpacked = b.hpacked[: (k + 3) // 4]
+        nh, hmax = kernels.pack_small(b.ghigh[:k], hpacked, b.hesc)
         hw = _width_of(hmax) if nh else 0
-        frames.append(cctx.compress(packed.data))
+        frames.append(cctx.compress(hpacked.data))
         if hw:
             frames += _compress_planes(b.hesc[:nh], hw, level)
         gw = 2 + hw
-    ne, emax = kernels.pack_small(b.vals[:k], packed, b.vesc)
     ew = _width_of(emax) if ne else 0
-    frames.append(cctx.compress(packed.data))
+    frames.append(cctx.compress(b.vpacked[: (k + 3) // 4].data))
     if ew:
         frames += _compress_planes(b.vesc[:ne], ew, level)
     return EncodedChunk(chunk, SPARSE, int(k), gw, ew, frames), int(k)

@@ -49,22 +49,68 @@ def _ctpop(typingctx, x):
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _scan(new, old, limit, gaps, vals, advance):
-    """Find the changed elements of a chunk: their gaps and zig-zagged differences.
+@intrinsic
+def _ne_mask64(typingctx, a, b, start):
+    """Bit j set where a[start + j] != b[start + j] for j < 64: one compare of two
+    64-element vectors whose result is read as a 64-bit mask (LLVM lowers this to the
+    target's vector compare and mask extraction). a and b are C-contiguous arrays of one
+    dtype with at least start + 64 elements (not checked)."""
+    if not (a.layout == b.layout == "C" and a.dtype == b.dtype and a.ndim == b.ndim == 1):
+        return None  # a typing error, never a wrong mask
+    sig = types.uint64(a, b, start)
 
-    new, old: the chunk's bit patterns (same unsigned dtype). For the j-th changed element:
-    gaps[j] = elements skipped since the previous change, vals[j] = zigzag(new - old) - 1
-    (>= 0: a changed element has a nonzero difference). With `advance` (a constant in each
-    compiled variant), old becomes new wherever it changed. gaps and vals hold limit + 1.
+    def codegen(context, builder, signature, args):
+        aty, bty, _ = signature.args
+        pa = context.make_array(aty)(context, builder, args[0]).data
+        pb = context.make_array(bty)(context, builder, args[1]).data
+        vty = ir.VectorType(ir.IntType(aty.dtype.bitwidth), 64).as_pointer()
+        va = builder.load(builder.bitcast(builder.gep(pa, [args[2]]), vty), align=1)
+        vb = builder.load(builder.bitcast(builder.gep(pb, [args[2]]), vty), align=1)
+        return builder.bitcast(builder.icmp_unsigned("!=", va, vb), ir.IntType(64))
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _restore(new, old, k, glow, ghigh, vpacked, vesc, mask):
+    """Undo the advance of the first k changes: old = new - difference at each of them."""
+    pos = _ZERO
+    vi = _ZERO
+    for j in range(k):
+        pos += np.uint64(glow[j]) | (np.uint64(ghigh[j]) << np.uint64(8))
+        vc = (np.uint64(vpacked[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE
+        v = vc
+        if vc == _THREE:
+            v = (_THREE + np.uint64(vesc[vi])) & mask
+            vi += _ONE
+        zz = (v + _ONE) & mask
+        d = ((zz >> _ONE) ^ (_ZERO - (zz & _ONE))) & mask
+        old[pos] = (np.uint64(new[pos]) - d) & mask
+        pos += _ONE
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scan(new, old, limit, glow, ghigh, vpacked, vesc, advance):
+    """Find the changed elements of a chunk and write their sparse streams, in one pass.
+
+    new, old: the chunk's bit patterns (same unsigned dtype, C-contiguous). For the j-th
+    changed element, with gap = elements skipped since the previous change and
+    v = zigzag(new - old) - 1 (>= 0: a changed element has a nonzero difference):
+    glow[j] = gap & 255, ghigh[j] = gap >> 8, 2-bit code min(v, 3) at j in vpacked (four
+    to a byte, low bits first, the last byte zero padded), and the escapes v - 3 of the
+    v >= 3, in order, in vesc. These are exactly codec.encode_sparse's streams before
+    compression, so nothing is read again to pack them. With `advance` (a constant in each
+    compiled variant), old becomes new wherever it changed. glow, ghigh and vesc hold
+    limit + 1 values, vpacked limit // 4 + 1 bytes.
 
     The chunk is compared 64 elements at a time into a bit mask whose set bits are then
     visited, so unchanged stretches cost a vector compare and no mispredicted branch; the
-    limit is checked once per block, with a popcount. Indices are unsigned so that no
-    negative-index handling is compiled in.
+    limit is checked once per block, with a popcount. Every store is unconditional (an
+    escape slot is written for every change and kept only for escapes). Indices are
+    unsigned so that no negative-index handling is compiled in.
 
-    Returns (k, largest gap); k == -1 when more than `limit` elements changed, and then old
-    is left exactly as it was (what was advanced is put back: old = new - difference).
+    Returns (k, largest gap, escapes, largest escape); k == -1 when more than `limit` elements
+    changed, and then old is left exactly as it was (what was advanced is put back).
     """
     n = np.uint64(new.size)
     bits = np.uint64(new.itemsize * 8)
@@ -72,57 +118,64 @@ def _scan(new, old, limit, gaps, vals, advance):
     top = bits - _ONE
     lim = np.uint64(limit)
     k = _ZERO
+    ne = _ZERO
     nxt = _ZERO  # position after the previous change
     gmax = _ZERO
+    vmax = _ZERO
+    byte = _ZERO  # the 2-bit codes of the current group of four
     nfull = n // np.uint64(64)
     for blk in range(nfull + _ONE):
         base = np.uint64(blk) * np.uint64(64)
-        m = _ZERO
-        if blk < nfull:  # fixed trip count: LLVM vectorises the compares
-            for j in range(64):
-                u = np.uint64(j)
-                m |= np.uint64(new[base + u] != old[base + u]) << u
+        if blk < nfull:
+            m = _ne_mask64(new, old, base)
         else:
+            m = _ZERO
             for j in range(n - base):
                 u = np.uint64(j)
                 m |= np.uint64(new[base + u] != old[base + u]) << u
         if k + _ctpop(m) > lim:
             if advance:
-                pos = _ZERO
-                for j in range(k):
-                    pos += np.uint64(gaps[j])
-                    zz = np.uint64(vals[j]) + _ONE
-                    d = ((zz >> _ONE) ^ (_ZERO - (zz & _ONE))) & mask
-                    old[pos] = (np.uint64(new[pos]) - d) & mask
-                    pos += _ONE
-            return -1, 0
+                if k & _THREE:
+                    vpacked[k >> _TWO] = byte
+                _restore(new, old, k, glow, ghigh, vpacked, vesc, mask)
+            return np.int64(-1), np.int64(0), np.int64(0), _ZERO
         while m:
             i = base + _cttz(m)
             m &= m - _ONE
             gap = i - nxt
             nxt = i + _ONE
             gmax = max(gmax, gap)
-            gaps[k] = gap
+            glow[k] = gap & np.uint64(255)
+            ghigh[k] = gap >> np.uint64(8)
             a = np.uint64(new[i])
             d = (a - np.uint64(old[i])) & mask
-            zz = ((d << _ONE) & mask) ^ ((_ZERO - ((d >> top) & _ONE)) & mask)
-            vals[k] = zz - _ONE
+            v = (((d << _ONE) & mask) ^ ((_ZERO - ((d >> top) & _ONE)) & mask)) - _ONE
+            vmax = max(vmax, v)
+            vesc[ne] = v - _THREE
+            ne += np.uint64(v >= _THREE)
+            shift = (k & _THREE) << _ONE
+            byte |= min(v, _THREE) << shift
+            if shift == np.uint64(6):
+                vpacked[k >> _TWO] = byte
+                byte = _ZERO
             if advance:
                 old[i] = a
             k += _ONE
-    return np.int64(k), np.int64(gmax)
+    if k & _THREE:
+        vpacked[k >> _TWO] = byte
+    return np.int64(k), np.int64(gmax), np.int64(ne), vmax - _THREE if ne else _ZERO
 
 
 @numba.njit(nogil=True, cache=True)
-def sparse_scan(new, old, limit, gaps, vals):
+def sparse_scan(new, old, limit, glow, ghigh, vpacked, vesc):
     """_scan of new against old, which is only read (it may be a read-only array)."""
-    return _scan(new, old, limit, gaps, vals, False)
+    return _scan(new, old, limit, glow, ghigh, vpacked, vesc, False)
 
 
 @numba.njit(nogil=True, cache=True)
-def sparse_scan_advance(new, old, limit, gaps, vals):
+def sparse_scan_advance(new, old, limit, glow, ghigh, vpacked, vesc):
     """_scan of new against old, turning old into new where it changed."""
-    return _scan(new, old, limit, gaps, vals, True)
+    return _scan(new, old, limit, glow, ghigh, vpacked, vesc, True)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -168,10 +221,22 @@ def pack_small(v, packed, esc):
 
 @numba.njit(nogil=True, cache=True)
 def count_escapes(packed, k):
-    """How many of the first k 2-bit codes in `packed` are 3 (the escape code)."""
+    """How many of the first k 2-bit codes in `packed` are 3 (the escape code).
+
+    A byte at a time: its codes equal to 3 are the set bits of b & (b >> 1) & 0b01010101,
+    counted with a popcount, so the loop has no branch and runs over k / 4 bytes (codes
+    past k in the last byte are masked off: they do not count, whatever they hold).
+    """
+    k = np.uint64(k)
     c = _ZERO
-    for j in range(np.uint64(k)):
-        c += np.uint64((np.uint64(packed[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE == _THREE)
+    nfull = k >> _TWO
+    for q in range(nfull):
+        b = np.uint64(packed[q])
+        c += _ctpop(b & (b >> _ONE) & np.uint64(0x55))
+    r = k & _THREE
+    if r:
+        b = np.uint64(packed[nfull]) & ((_ONE << (r << _ONE)) - _ONE)
+        c += _ctpop(b & (b >> _ONE) & np.uint64(0x55))
     return np.int64(c)
 
 
@@ -197,16 +262,23 @@ def _change(j, glow, hpacked, hesc, hi, vpacked, vesc, vi, mask):
 
 @numba.njit(nogil=True, cache=True)
 def sparse_last(glow, hpacked, hesc):
-    """Position of the last change (relative to the chunk start), -1 if there is none."""
+    """Position of the last change (relative to the chunk start), -1 if there is none.
+
+    Without a high part every gap is its low byte, so the position is a plain sum (a
+    vectorised loop); with one, the gaps are decoded change by change as patching does.
+    """
     pos = _ZERO
+    if not hpacked.size:
+        for j in range(glow.size):
+            pos += np.uint64(glow[j])
+        return np.int64(pos + np.uint64(glow.size)) - 1
     hi = _ZERO
     for j in range(np.uint64(glow.size)):
         gap = np.uint64(glow[j])
-        if hpacked.size:
-            hc = (np.uint64(hpacked[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE
-            he = (_THREE + np.uint64(hesc[hi])) & _U32
-            hi += np.uint64(hc == _THREE)
-            gap |= ((he if hc == _THREE else hc) << np.uint64(8)) & _U32
+        hc = (np.uint64(hpacked[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE
+        he = (_THREE + np.uint64(hesc[hi])) & _U32
+        hi += np.uint64(hc == _THREE)
+        gap |= ((he if hc == _THREE else hc) << np.uint64(8)) & _U32
         pos += gap + _ONE
     return np.int64(pos) - 1
 
