@@ -76,12 +76,16 @@ def _record(enc: codec.EncodedChunk) -> tuple[codec.ChunkRecord, list[memoryview
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chunks(), st.booleans())
-def test_scan_matches_the_numpy_encoding_byte_for_byte(chunk, advance) -> None:
+@given(chunks(), st.booleans(), st.sampled_from([256 << 10, 128, 1000]))
+def test_scan_matches_the_numpy_encoding_byte_for_byte(chunk, advance, part_bytes) -> None:
     old, new = chunk
     k_true = int(np.count_nonzero(new != old))
     base = old.copy()
-    enc, k = codec.encode_sparse_scan(0, new, base, 1, advance=advance)
+    saved, codec.SCAN_PART_BYTES = codec.SCAN_PART_BYTES, part_bytes
+    try:
+        enc, k = codec.encode_sparse_scan(0, new, base, 1, advance=advance)
+    finally:
+        codec.SCAN_PART_BYTES = saved
     if k_true > codec.sparse_limit(new.size):
         assert (enc, k) == (None, -1)
         assert np.array_equal(base, old)  # left (or put back) exactly as it was
@@ -181,9 +185,9 @@ def test_warm_up_readies_the_kernels_a_pull_will_call() -> None:
     (compiled, or loaded from numba's cache), and warm_up checked its own round trips."""
     script = (
         "from tandem.delta_sync import kernels, warm_up\n"
-        "before = len(kernels.sparse_apply.signatures)\n"
+        "before = len(kernels.sparse_apply_part.signatures)\n"
         "warm_up((4,))\n"
-        "print(before, [str(s[0]) for s in kernels.sparse_apply.signatures])\n"
+        "print(before, [str(s[0]) for s in kernels.sparse_apply_part.signatures])\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
@@ -213,3 +217,55 @@ def test_last_position_without_a_high_part_is_the_sum_of_the_gaps(data) -> None:
     empty = np.frombuffer(b"", np.uint8)
     expected = int(np.sum(glow.astype(np.int64) + 1)) - 1
     assert kernels.sparse_last(glow, empty, np.zeros(1, np.uint32)) == expected
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.1, 0.3, 0.9])
+@pytest.mark.parametrize("advance", [False, True])
+def test_chunk_digest_fed_during_the_scan_equals_a_separate_pass(density, advance) -> None:
+    """The digest fed part by part while scanning (or again after the sparse scan gave up
+    on a dense chunk) is the one-shot xxh3 of the chunk, in every mode."""
+    import xxhash
+
+    from tandem.delta_sync.tensors import chunk_digest, views_of
+
+    rng = np.random.default_rng(3)
+    n = 3 * (codec.SCAN_PART_BYTES // 2) + 77  # several parts and a ragged tail
+    old = rng.integers(0, 2**16, n, dtype=np.uint16)
+    new = old.copy()
+    new[rng.random(n) < density] += np.uint16(1)
+    views = views_of(
+        {"new": new.view(ml_dtypes.bfloat16), "old": old.copy().view(ml_dtypes.bfloat16)}
+    )
+    h = xxhash.xxh3_128()
+    _, k = codec.encode_chunk(views["new"], views["old"], 0, n, 1, advance_base=advance, hasher=h)
+    assert k == int(np.count_nonzero(new != old))
+    assert h.digest() == chunk_digest(new)
+    assert np.array_equal(views["old"].flat, new if advance else old)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks(), chunks())
+def test_patching_part_by_part_equals_patching_whole_and_hashing(first, second) -> None:
+    """Two stacked sparse patches applied part by part give the bits and the digest of
+    applying each to the whole chunk and hashing it afterwards."""
+    import xxhash
+
+    old, mid = first
+    if second[0].dtype != old.dtype or second[0].size != old.size:
+        return
+    new = mid + (second[1] - second[0])  # a second step over the same chunk
+    steps: list[codec.SparseStreams] = []
+    for a, b in ((old, mid), (mid, new)):
+        enc = _reference(a, b)
+        if enc is not None:
+            steps.append(codec.decompress_sparse(*_record(enc), old.size, old.itemsize, "t"))
+    for part_bytes in (codec.SCAN_PART_BYTES, 256):  # one part; many, of 64+ elements
+        cur = old.copy()
+        h = xxhash.xxh3_128()
+        saved, codec.SCAN_PART_BYTES = codec.SCAN_PART_BYTES, part_bytes
+        try:
+            codec.apply_streams_hashed(cur, steps, h)
+        finally:
+            codec.SCAN_PART_BYTES = saved
+        assert cur.tobytes() == new.tobytes()
+        assert h.digest() == xxhash.xxh3_128_digest(new.tobytes())

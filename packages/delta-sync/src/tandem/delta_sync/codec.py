@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 import numpy as np
+import xxhash
 import zstandard
 
 from tandem.delta_sync.dtypes import INT_BY_WIDTH, UINT_BY_WIDTH
@@ -38,6 +40,9 @@ SPARSE_MAX_FRACTION = 0.5
 XOR_MIN_FRACTION = 0.2
 
 _local = threading.local()
+
+# A part of a chunk scanned and hashed at a time: it and its base fit in a core's L2 cache.
+SCAN_PART_BYTES = 256 << 10
 
 
 class ChunkRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -229,7 +234,13 @@ def sparse_limit(n: int) -> int:
 
 
 def encode_sparse_scan(
-    chunk: int, new: np.ndarray, old: np.ndarray, level: int, *, advance: bool = False
+    chunk: int,
+    new: np.ndarray,
+    old: np.ndarray,
+    level: int,
+    *,
+    advance: bool = False,
+    hasher: Any = None,
 ) -> tuple[EncodedChunk | None, int]:
     """(sparse encoding of new against old, changed elements) through the compiled kernels.
 
@@ -237,15 +248,31 @@ def encode_sparse_scan(
     more than sparse_limit(n) elements changed (old is then untouched; the caller tries
     the dense encodings), and (None, 0) for an unchanged chunk. With `advance`, old becomes
     new wherever it changed.
+
+    The chunk is scanned in parts of SCAN_PART_BYTES; `hasher` (an xxh3 state), if given,
+    is fed each part of `new` right after its scan, while it is still in cache, so the
+    chunk's digest costs no second read of it from memory (xxh3 fed part by part equals
+    xxh3 of the whole; only complete when the result is not -1).
     """
     from tandem.delta_sync import kernels  # numba: imported on first use
 
     limit = sparse_limit(new.size)
     b = _scan_buffers(limit, new.itemsize)
     scan = kernels.sparse_scan_advance if advance else kernels.sparse_scan
-    k, gmax, ne, emax = scan(new, old, limit, b.glow, b.ghigh, b.vpacked, b.vesc)
-    if k <= 0:
-        return None, k
+    state = np.zeros(6, np.uint64)
+    step = max(64, SCAN_PART_BYTES // new.itemsize // 64 * 64)
+    for s in range(0, max(new.size, 1), step):
+        part = new[s : s + step]
+        if scan(part, old[s : s + step], s, limit, b.glow, b.ghigh, b.vpacked, b.vesc, state) < 0:
+            if advance:
+                kernels.sparse_restore(new, old, int(state[0]), b.glow, b.ghigh, b.vpacked, b.vesc)
+            return None, -1
+        if hasher is not None:
+            hasher.update(part)
+    k, ne, gmax = int(state[0]), int(state[1]), int(state[3])
+    if k == 0:
+        return None, 0
+    emax = int(state[4]) - 3 if ne else 0
     cctx = _cctx(level)
     frames = [cctx.compress(b.glow[:k].data)]
     gw = 1
@@ -283,24 +310,39 @@ def encode_chunk(
     level: int,
     *,
     advance_base: bool = False,
+    hasher: Any = None,
 ) -> tuple[EncodedChunk | None, int]:
     """(smallest encoding of chunk `chunk` of `new` against `base`, changed elements).
 
     The encoding is None for an unchanged chunk. Without a base (an anchor) the chunk is
     stored raw. With `advance_base`, the base chunk is then overwritten with the new bits
     (only the changed elements when they are few), so a publisher's copy of the previous
-    version becomes the new one without copying the whole model every step.
+    version becomes the new one without copying the whole model every step. `hasher`, if
+    given, is a fresh xxh3 state, fed exactly this chunk of `new` by the time this returns
+    (during the scan when the sparse kernels run).
     """
     start = chunk * chunk_elems
     stop = min(start + chunk_elems, new.numel)
     if base is None:
-        return encode_dense(chunk, new.read(start, stop), RAW, level), stop - start
+        values = new.read(start, stop)
+        if hasher is not None:
+            hasher.update(np.ascontiguousarray(values))
+        return encode_dense(chunk, values, RAW, level), stop - start
     if isinstance(new, HostTensor) and isinstance(base, HostTensor):
         enc, k = encode_sparse_scan(
-            chunk, new.read(start, stop), base.read(start, stop), level, advance=advance_base
+            chunk,
+            new.read(start, stop),
+            base.read(start, stop),
+            level,
+            advance=advance_base,
+            hasher=hasher,
         )
         if k >= 0:
             return enc, k
+        if hasher is not None:
+            hasher.reset()  # fed part of the chunk: start again below
+    if hasher is not None:
+        hasher.update(np.ascontiguousarray(new.read(start, stop)))
     idx = new.changed(base, start, stop)
     k, n = int(idx.size), stop - start
     if k == 0:
@@ -418,6 +460,31 @@ def apply_streams(cur: np.ndarray, s: SparseStreams, *, negate: bool = False) ->
         raise IntegrityError(f"sparse patch of {s.count} changes reaches past {cur.size}")
 
 
+def apply_streams_hashed(cur: np.ndarray, streams: list[SparseStreams], hasher: Any) -> None:
+    """cur += each of the streams' differences, in order, part by part: every part of cur
+    is patched by all of them, then fed to `hasher` (an xxh3 state) while still in cache.
+
+    The same result as apply_streams for each in turn (each change touches one element,
+    so patching part by part commutes with patching stream by stream), and the same digest
+    as hashing cur afterwards (xxh3 fed part by part equals xxh3 of the whole), without
+    reading cur from memory a second time.
+    """
+    from tandem.delta_sync import kernels  # numba: imported on first use
+
+    states = [np.zeros(4, np.uint64) for _ in streams]
+    step = max(64, SCAN_PART_BYTES // cur.itemsize)
+    for s in range(0, max(cur.size, 1), step):
+        end = min(s + step, cur.size)
+        for st, sp in zip(states, streams, strict=True):
+            kernels.sparse_apply_part(
+                cur, sp.glow, sp.hpacked, sp.hesc, sp.vpacked, sp.vesc, st, end
+            )
+        hasher.update(cur[s:end])
+    for st, sp in zip(states, streams, strict=True):
+        if int(st[0]) != sp.count:
+            raise IntegrityError(f"sparse patch of {sp.count} changes reaches past {cur.size}")
+
+
 def decode_sparse(
     rec: ChunkRecord, frames: list[memoryview], n: int, itemsize: int, where: str
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -493,8 +560,12 @@ def warm_up(itemsizes: Iterable[int] = (1, 2, 4, 8)) -> None:
             0, 0, enc.mode, enc.count, enc.gap_width, enc.value_width, [len(f) for f in frames]
         )
         streams = decompress_sparse(rec, frames, old.size, width, "warm-up")
-        patched = old.copy()
+        patched, hashed = old.copy(), old.copy()
         apply_streams(patched, streams)
+        hasher = xxhash.xxh3_128()
+        apply_streams_hashed(hashed, [streams], hasher)  # what an apply runs on host memory
         idx, _ = decode_streams(streams, width)
         if not np.array_equal(patched, new) or idx.size != enc.count:
             raise AssertionError(f"warm-up: the {width}-byte round trip is not exact")
+        if not np.array_equal(hashed, new) or hasher.digest() != xxhash.xxh3_128_digest(new):
+            raise AssertionError(f"warm-up: the {width}-byte hashed patch is not exact")

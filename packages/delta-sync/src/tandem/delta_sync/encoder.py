@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import xxhash
+
 from tandem.delta_sync.codec import MODE_NAMES, EncodedChunk, encode_chunk
 from tandem.delta_sync.container import ShardBuilder
 from tandem.delta_sync.errors import DeltaSyncError
@@ -95,12 +97,17 @@ def encode_state(
         base_digest = b""
         if hash_base and base is not None:
             base_digest = chunk_digest(base[name].read(c * ce, min((c + 1) * ce, view.numel)))
+        hasher = xxhash.xxh3_128() if hash_new else None  # fed during the scan, if any
         enc, changed = encode_chunk(
-            view, None if base is None else base[name], c, ce, level, advance_base=advance_base
+            view,
+            None if base is None else base[name],
+            c,
+            ce,
+            level,
+            advance_base=advance_base,
+            hasher=hasher,
         )
-        digest = b""
-        if hash_new:
-            digest = chunk_digest(view.read(c * ce, min((c + 1) * ce, view.numel)))
+        digest = b"" if hasher is None else hasher.digest()  # equals tensors.chunk_digest
         return name, c, enc, changed, digest, base_digest
 
     builder = ShardBuilder()

@@ -71,12 +71,13 @@ def _ne_mask64(typingctx, a, b, start):
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _restore(new, old, k, glow, ghigh, vpacked, vesc, mask):
-    """Undo the advance of the first k changes: old = new - difference at each of them."""
+@numba.njit(nogil=True, cache=True)
+def sparse_restore(new, old, k, glow, ghigh, vpacked, vesc):
+    """Undo the advance of the first k changes of a chunk: old = new - difference at each."""
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - new.itemsize * 8)
     pos = _ZERO
     vi = _ZERO
-    for j in range(k):
+    for j in range(np.uint64(k)):
         pos += np.uint64(glow[j]) | (np.uint64(ghigh[j]) << np.uint64(8))
         vc = (np.uint64(vpacked[j >> _TWO]) >> ((j & _THREE) << _ONE)) & _THREE
         v = vc
@@ -90,39 +91,38 @@ def _restore(new, old, k, glow, ghigh, vpacked, vesc, mask):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _scan(new, old, limit, glow, ghigh, vpacked, vesc, advance):
-    """Find the changed elements of a chunk and write their sparse streams, in one pass.
+def _scan(new, old, offset, limit, glow, ghigh, vpacked, vesc, state, advance):
+    """Find the changed elements of part of a chunk and write their sparse streams, in one
+    pass; a chunk is scanned part after part (each hashed while still in cache).
 
-    new, old: the chunk's bit patterns (same unsigned dtype, C-contiguous). For the j-th
-    changed element, with gap = elements skipped since the previous change and
-    v = zigzag(new - old) - 1 (>= 0: a changed element has a nonzero difference):
-    glow[j] = gap & 255, ghigh[j] = gap >> 8, 2-bit code min(v, 3) at j in vpacked (four
-    to a byte, low bits first, the last byte zero padded), and the escapes v - 3 of the
-    v >= 3, in order, in vesc. These are exactly codec.encode_sparse's streams before
-    compression, so nothing is read again to pack them. With `advance` (a constant in each
-    compiled variant), old becomes new wherever it changed. glow, ghigh and vesc hold
-    limit + 1 values, vpacked limit // 4 + 1 bytes.
+    new, old: elements [offset, offset + new.size) of the chunk's bit patterns (same
+    unsigned dtype, C-contiguous). For the j-th changed element of the chunk, with gap =
+    elements skipped since the previous change and v = zigzag(new - old) - 1 (>= 0: a
+    changed element has a nonzero difference): glow[j] = gap & 255, ghigh[j] = gap >> 8,
+    2-bit code min(v, 3) at j in vpacked (four to a byte, low bits first, the last byte
+    zero padded), and the escapes v - 3 of the v >= 3, in order, in vesc. These are exactly
+    codec.encode_sparse's streams before compression, so nothing is read again to pack
+    them. With `advance` (a constant in each compiled variant), old becomes new wherever it
+    changed. glow, ghigh and vesc hold limit + 1 values, vpacked limit // 4 + 1 bytes.
+    state carries [changes, escapes, next position, largest gap, largest v, code byte] from
+    one part to the next (zeros before the first).
 
-    The chunk is compared 64 elements at a time into a bit mask whose set bits are then
+    The part is compared 64 elements at a time into a bit mask whose set bits are then
     visited, so unchanged stretches cost a vector compare and no mispredicted branch; the
     limit is checked once per block, with a popcount. Every store is unconditional (an
     escape slot is written for every change and kept only for escapes). Indices are
     unsigned so that no negative-index handling is compiled in.
 
-    Returns (k, largest gap, escapes, largest escape); k == -1 when more than `limit` elements
-    changed, and then old is left exactly as it was (what was advanced is put back).
+    Returns the changes so far, or -1 as soon as more than `limit` elements changed: the
+    changes advanced before are then still advanced (see sparse_restore).
     """
     n = np.uint64(new.size)
     bits = np.uint64(new.itemsize * 8)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> (np.uint64(64) - bits)
     top = bits - _ONE
     lim = np.uint64(limit)
-    k = _ZERO
-    ne = _ZERO
-    nxt = _ZERO  # position after the previous change
-    gmax = _ZERO
-    vmax = _ZERO
-    byte = _ZERO  # the 2-bit codes of the current group of four
+    off = np.uint64(offset)
+    k, ne, nxt, gmax, vmax, byte = state[0], state[1], state[2], state[3], state[4], state[5]
     nfull = n // np.uint64(64)
     for blk in range(nfull + _ONE):
         base = np.uint64(blk) * np.uint64(64)
@@ -134,16 +134,15 @@ def _scan(new, old, limit, glow, ghigh, vpacked, vesc, advance):
                 u = np.uint64(j)
                 m |= np.uint64(new[base + u] != old[base + u]) << u
         if k + _ctpop(m) > lim:
-            if advance:
-                if k & _THREE:
-                    vpacked[k >> _TWO] = byte
-                _restore(new, old, k, glow, ghigh, vpacked, vesc, mask)
-            return np.int64(-1), np.int64(0), np.int64(0), _ZERO
+            if k & _THREE:
+                vpacked[k >> _TWO] = byte
+            state[0] = k
+            return np.int64(-1)
         while m:
             i = base + _cttz(m)
             m &= m - _ONE
-            gap = i - nxt
-            nxt = i + _ONE
+            gap = off + i - nxt
+            nxt = off + i + _ONE
             gmax = max(gmax, gap)
             glow[k] = gap & np.uint64(255)
             ghigh[k] = gap >> np.uint64(8)
@@ -163,19 +162,20 @@ def _scan(new, old, limit, glow, ghigh, vpacked, vesc, advance):
             k += _ONE
     if k & _THREE:
         vpacked[k >> _TWO] = byte
-    return np.int64(k), np.int64(gmax), np.int64(ne), vmax - _THREE if ne else _ZERO
+    state[0], state[1], state[2], state[3], state[4], state[5] = k, ne, nxt, gmax, vmax, byte
+    return np.int64(k)
 
 
 @numba.njit(nogil=True, cache=True)
-def sparse_scan(new, old, limit, glow, ghigh, vpacked, vesc):
+def sparse_scan(new, old, offset, limit, glow, ghigh, vpacked, vesc, state):
     """_scan of new against old, which is only read (it may be a read-only array)."""
-    return _scan(new, old, limit, glow, ghigh, vpacked, vesc, False)
+    return _scan(new, old, offset, limit, glow, ghigh, vpacked, vesc, state, False)
 
 
 @numba.njit(nogil=True, cache=True)
-def sparse_scan_advance(new, old, limit, glow, ghigh, vpacked, vesc):
+def sparse_scan_advance(new, old, offset, limit, glow, ghigh, vpacked, vesc, state):
     """_scan of new against old, turning old into new where it changed."""
-    return _scan(new, old, limit, glow, ghigh, vpacked, vesc, True)
+    return _scan(new, old, offset, limit, glow, ghigh, vpacked, vesc, state, True)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -323,6 +323,31 @@ def sparse_apply(seg, glow, hpacked, hesc, vpacked, vesc, negate):
         seg[pos] = np.uint64(seg[pos]) + d
         pos += _ONE
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def sparse_apply_part(seg, glow, hpacked, hesc, vpacked, vesc, state, stop):
+    """sparse_apply for the changes at positions below `stop` not applied yet, so a chunk
+    is patched part after part (each hashed while still in cache).
+
+    state carries [changes applied, position after the last one, high escapes used, value
+    escapes used] from one part to the next (zeros before the first). The streams must
+    have been checked with sparse_last and stop must not exceed seg.size. Returns the
+    changes applied so far.
+    """
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - seg.itemsize * 8)
+    end = np.uint64(stop)
+    j, pos, hi, vi = state[0], state[1], state[2], state[3]
+    while j < np.uint64(glow.size):
+        gap, d, hj, vj = _change(j, glow, hpacked, hesc, hi, vpacked, vesc, vi, mask)
+        p = pos + gap
+        if p >= end:
+            break
+        seg[p] = np.uint64(seg[p]) + d
+        pos, hi, vi = p + _ONE, hj, vj
+        j += _ONE
+    state[0], state[1], state[2], state[3] = j, pos, hi, vi
+    return np.int64(j)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -7,7 +7,7 @@ decoded and scattered in one compiled pass; XOR and raw chunks stay compressed u
 apply, so staging costs about the delta's size, never a copy of the model.
 
 `apply_patch` (the pause) patches every chunk in parallel and hashes it while it is hot in
-cache, then checks every tensor against its published digest. If a delta was applied onto
+cache (a chunk of sparse changes part by part, so it is read from memory once), then checks every tensor against its published digest. If a delta was applied onto
 the wrong base the check fails, and the patch is undone exactly (modular add and XOR are
 invertible; overwritten raw chunks were saved), so the state is left as it was.
 """
@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from tandem.delta_sync.codec import (
     RAW,
@@ -27,6 +28,7 @@ from tandem.delta_sync.codec import (
     ChunkRecord,
     SparseStreams,
     apply_streams,
+    apply_streams_hashed,
     decode_dense,
     decode_streams,
     decompress_sparse,
@@ -214,6 +216,13 @@ def apply_patch(
         name, c, start, stop = task
         view = views[name]
         ops = patch.ops.get((name, c))
+        streams = [op.sparse for op in ops or [] if op.sparse is not None]
+        if ops and isinstance(view, HostTensor) and len(streams) == len(ops):
+            # the common case: patched and hashed part by part, read from memory once
+            hasher = xxhash.xxh3_128()
+            apply_streams_hashed(view.flat[start:stop], streams, hasher)
+            done.append((name, c, start, stop, None))
+            return name, c, hasher.digest()
         if ops:
             saved = _run(view, start, stop, ops, keep_undo=not patch.full)
             done.append((name, c, start, stop, saved))  # list.append is atomic
