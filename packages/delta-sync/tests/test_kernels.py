@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.delta_sync import IntegrityError, apply_delta, codec, encode_delta
+from tandem.delta_sync import IntegrityError, apply_delta, codec, encode_delta, sparse
 
 FLOATS = {
     1: [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
@@ -81,11 +81,11 @@ def test_scan_matches_the_numpy_encoding_byte_for_byte(chunk, advance, part_byte
     old, new = chunk
     k_true = int(np.count_nonzero(new != old))
     base = old.copy()
-    saved, codec.SCAN_PART_BYTES = codec.SCAN_PART_BYTES, part_bytes
+    saved, sparse.SCAN_PART_BYTES = sparse.SCAN_PART_BYTES, part_bytes
     try:
         enc, k = codec.encode_sparse_scan(0, new, base, 1, advance=advance)
     finally:
-        codec.SCAN_PART_BYTES = saved
+        sparse.SCAN_PART_BYTES = saved
     if k_true > codec.sparse_limit(new.size):
         assert (enc, k) == (None, -1)
         assert np.array_equal(base, old)  # left (or put back) exactly as it was
@@ -229,7 +229,7 @@ def test_chunk_digest_fed_during_the_scan_equals_a_separate_pass(density, advanc
     from tandem.delta_sync.tensors import chunk_digest, views_of
 
     rng = np.random.default_rng(3)
-    n = 3 * (codec.SCAN_PART_BYTES // 2) + 77  # several parts and a ragged tail
+    n = 3 * (sparse.SCAN_PART_BYTES // 2) + 77  # several parts and a ragged tail
     old = rng.integers(0, 2**16, n, dtype=np.uint16)
     new = old.copy()
     new[rng.random(n) < density] += np.uint16(1)
@@ -259,13 +259,13 @@ def test_patching_part_by_part_equals_patching_whole_and_hashing(first, second) 
         enc = _reference(a, b)
         if enc is not None:
             steps.append(codec.decompress_sparse(*_record(enc), old.size, old.itemsize, "t"))
-    for part_bytes in (codec.SCAN_PART_BYTES, 256):  # one part; many, of 64+ elements
+    for part_bytes in (sparse.SCAN_PART_BYTES, 256):  # one part; many, of 64+ elements
         cur = old.copy()
         h = xxhash.xxh3_128()
-        saved, codec.SCAN_PART_BYTES = codec.SCAN_PART_BYTES, part_bytes
+        saved, sparse.SCAN_PART_BYTES = sparse.SCAN_PART_BYTES, part_bytes
         try:
             codec.apply_streams_hashed(cur, steps, h)
         finally:
-            codec.SCAN_PART_BYTES = saved
+            sparse.SCAN_PART_BYTES = saved
         assert cur.tobytes() == new.tobytes()
         assert h.digest() == xxhash.xxh3_128_digest(new.tobytes())

@@ -21,22 +21,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from tandem.delta_sync.codec import (
-    RAW,
-    SPARSE,
-    XOR,
-    ChunkRecord,
+from tandem.delta_sync.codec import decode_dense
+from tandem.delta_sync.container import iter_shard
+from tandem.delta_sync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
+from tandem.delta_sync.frames import RAW, SPARSE, XOR, ChunkRecord
+from tandem.delta_sync.manifest import TensorInfo
+from tandem.delta_sync.parallel import ordered_map
+from tandem.delta_sync.sparse import (
     SparseStreams,
     apply_streams,
     apply_streams_hashed,
-    decode_dense,
     decode_streams,
     decompress_sparse,
 )
-from tandem.delta_sync.container import iter_shard
-from tandem.delta_sync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
-from tandem.delta_sync.manifest import TensorInfo
-from tandem.delta_sync.parallel import ordered_map
 from tandem.delta_sync.tensors import (
     HostTensor,
     TensorView,
