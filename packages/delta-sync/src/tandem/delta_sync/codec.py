@@ -37,8 +37,8 @@ from tandem.delta_sync.frames import (
     _cctx,
     _compress_planes,
     _decompress_planes,
-    _gap_frames,
     _width_of,
+    sparse_gap_frames,
     split_frames,
 )
 from tandem.delta_sync.sparse import (
@@ -231,11 +231,7 @@ def decode_sparse_reference(
 ) -> tuple[np.ndarray, np.ndarray]:
     """decode_sparse in whole-array numpy operations: the definition the kernels match."""
     gw, ew, k = rec.gap_width, rec.value_width, rec.count
-    if not 1 <= gw <= 6 or ew > itemsize or k > n:
-        raise IntegrityError(f"{where}: malformed sparse chunk (widths {gw}/{ew}, {k} of {n})")
-    ng = _gap_frames(gw)
-    if len(frames) != ng + 1 + ew:
-        raise IntegrityError(f"{where}: malformed sparse chunk ({len(frames)} frames)")
+    ng = sparse_gap_frames(rec, frames, n, itemsize, where)
     gaps = _decode_gaps(gw, frames[:ng], k, where)
     idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
     if k and idx[-1] >= n:

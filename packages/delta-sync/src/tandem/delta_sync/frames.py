@@ -110,6 +110,20 @@ def _gap_frames(gap_width: int) -> int:
     return 1 if gap_width == 1 else gap_width
 
 
+def sparse_gap_frames(
+    rec: ChunkRecord, frames: list[memoryview], n: int, itemsize: int, where: str
+) -> int:
+    """How many gap frames a sparse chunk has, once its record is checked against the chunk
+    (``n`` elements of ``itemsize`` bytes) and its frame count: `IntegrityError` otherwise."""
+    gw, ew, k = rec.gap_width, rec.value_width, rec.count
+    if not 1 <= gw <= 6 or ew > itemsize or k > n:
+        raise IntegrityError(f"{where}: malformed sparse chunk (widths {gw}/{ew}, {k} of {n})")
+    ng = _gap_frames(gw)
+    if len(frames) != ng + 1 + ew:
+        raise IntegrityError(f"{where}: malformed sparse chunk ({len(frames)} frames)")
+    return ng
+
+
 def split_frames(rec: ChunkRecord, body: memoryview) -> list[memoryview]:
     out, pos = [], 0
     for n in rec.frames:

@@ -27,9 +27,9 @@ from tandem.delta_sync.frames import (
     _cctx,
     _compress_planes,
     _decompress_planes,
-    _gap_frames,
     _plane,
     _width_of,
+    sparse_gap_frames,
 )
 
 _local = threading.local()
@@ -157,11 +157,7 @@ def decompress_sparse(
     from tandem.delta_sync import kernels  # numba: imported on first use
 
     gw, ew, k = rec.gap_width, rec.value_width, rec.count
-    if not 1 <= gw <= 6 or ew > itemsize or k > n:
-        raise IntegrityError(f"{where}: malformed sparse chunk (widths {gw}/{ew}, {k} of {n})")
-    ng = _gap_frames(gw)
-    if len(frames) != ng + 1 + ew:
-        raise IntegrityError(f"{where}: malformed sparse chunk ({len(frames)} frames)")
+    ng = sparse_gap_frames(rec, frames, n, itemsize, where)
     packed_len = (k + 3) // 4
     glow = _plane(frames[0], k, where)
     hpacked = np.frombuffer(b"", np.uint8)  # read-only like the planes: one compiled variant
