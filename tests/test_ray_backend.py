@@ -9,7 +9,8 @@ sandboxes live in an environment-pool actor), and every actor's engine equals th
 after each step; an actor killed with SIGKILL in the middle of
 its groups is replaced and its groups are played again, with no partial group reaching the
 trainer; workers join (one catch-up pull) and leave (drained) while training runs, pulling
-through a relay, and the metrics show the pool size.
+through a relay, and the metrics show the pool size; a worker joining a pool that does
+not follow the store starts on the pool's version, not the newest.
 """
 
 from __future__ import annotations
@@ -252,3 +253,56 @@ def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> 
     pool = [r["rollout_workers"] for r in records]
     assert pool == [1, 1, 2, 2, 2, 1]
     assert relay.stats.origin_gets > 0 and relay.stats.latest_gets > 0  # weights came that way
+
+
+def test_a_worker_joining_a_pool_that_does_not_follow_starts_on_the_pool_version(
+    tmp_path: Path, cluster
+) -> None:
+    """Without following (sync and pipelined modes) the pool is on the version `sync_to`
+    put it on; an actor added then (a replacement) starts there, not on the newest one, so
+    the groups it replays get the weights they were meant for."""
+    from rl_helpers import ENGINE, ENV, TINY
+
+    from tandem.orchestrator.config import TaskConfig
+    from tandem.orchestrator.ray_backend import RayRollouts, WorkerSpec
+    from tandem.orchestrator.tokenizer import ByteTokenizer
+    from tandem.orchestrator.weights import WeightPublisher
+
+    policy = build_model(TINY, ByteTokenizer())
+    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
+    digests: dict[int, str] = {}
+
+    def publish(version: int) -> None:
+        if version:
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(torch.randn_like(p) * 1e-2)
+        publisher.publish(version, policy)
+        digests[version] = state_digest(state_for_sync(policy))
+
+    publish(0)
+    publish(1)
+    spec = WorkerSpec(
+        model=policy.config,
+        engine=ENGINE,
+        env=ENV,
+        tasks=TaskConfig(),
+        task_seed=1,
+        task_offset=0,
+        seed=0,
+        group_size=2,
+        store_url=str(tmp_path),
+    )
+    pool = RayRollouts(spec, msgspec.structs.replace(RAY, workers=1), run_name="pinned")
+
+    async def main() -> list[tuple[int, str]]:
+        await pool.start(follow=False)  # the first actor starts on the newest version, 1
+        await pool.sync_to(1)
+        publish(2)  # as in a pipelined step: the trainer is a version ahead of the pool
+        await asyncio.sleep(2 * RAY.poll_s)  # an actor that followed would have pulled it
+        await pool.add_worker()
+        digests_now = [ray.get(w.handle.digest.remote()) for w in pool.live]
+        await pool.close()
+        return digests_now
+
+    assert asyncio.run(main()) == [(1, digests[1]), (1, digests[1])]
