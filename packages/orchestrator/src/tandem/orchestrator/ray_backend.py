@@ -212,7 +212,8 @@ class RayRollouts:
     env_pools: list[Any] = field(default_factory=list)  # environment-pool actor handles
     _t0: float = field(default_factory=time.monotonic)
     _follow: bool = True  # actors pull each new version by themselves (async mode)
-    _pinned: int | None = None  # otherwise: the version `sync_to` put the pool on
+    _pinned: int | None = None  # the version `sync_to` put the pool on (modes that call it
+    # do not follow; None: a new actor starts on the newest version)
 
     async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
         self._follow = follow
@@ -242,7 +243,7 @@ class RayRollouts:
             cls.options(name=n, namespace=NAMESPACE, num_cpus=self.config.env_cpus).remote(n)
             for n in names
         ]
-        await asyncio.gather(*(h.stats.remote() for h in self.env_pools))
+        await self.env_pool_stats()  # each answers once it is up
         self.spec = dataclasses.replace(self.spec, env_pools=names)
 
     async def env_pool_stats(self) -> list[dict[str, Any]]:
@@ -279,9 +280,7 @@ class RayRollouts:
         try:
             # a worker joining a pool that does not follow starts on the pool's version, so a
             # replaced worker replays its groups on the weights they were meant for
-            version = await handle.start.remote(
-                self._follow, None if self._follow else self._pinned
-            )
+            version = await handle.start.remote(self._follow, self._pinned)
         finally:
             self._spawning -= 1
         self.workers.append(_Worker(name, handle, version=version))
@@ -370,10 +369,11 @@ class RayRollouts:
                 w.handle.play.remote(index, min_version), timeout=deadline
             )
         except (RayActorError, EngineStopped, TimeoutError) as e:
-            why = "died" if isinstance(e, RayActorError) else "stopped serving"
             if isinstance(e, TimeoutError):
                 why = f"did not answer within {deadline:g} s"
-            self._lost(w, e if not isinstance(e, TimeoutError) else TimeoutError(why))
+            else:
+                why = "died" if isinstance(e, RayActorError) else "stopped serving"
+            self._lost(w, RuntimeError(f"{why}: {e}"))
             raise WorkerLost(f"{w.name} {why} playing group {index}") from None
         finally:
             w.inflight -= 1
@@ -393,8 +393,8 @@ class RayRollouts:
             *(w.handle.sync_to.remote(version) for w in live), return_exceptions=True
         )
         for w, v in zip(live, got, strict=True):
-            if isinstance(v, BaseException):  # a dead actor is replaced; the new one starts
-                self._lost(w, v)  # current
+            if isinstance(v, BaseException):  # a lost actor is replaced on `_pinned`
+                self._lost(w, v)
             else:
                 w.version = v
 
@@ -414,16 +414,12 @@ class RayRollouts:
     async def close(self) -> None:
         import ray
 
-        for w in list(self.workers):
+        # rollout actors first: their episodes' sandboxes may live in the pools
+        for handle in [*(w.handle for w in self.workers), *self.env_pools]:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(w.handle.stop.remote(), timeout=10)
+                await asyncio.wait_for(handle.stop.remote(), timeout=10)
             with contextlib.suppress(Exception):
-                ray.kill(w.handle, no_restart=True)
-        for pool in self.env_pools:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(pool.stop.remote(), timeout=10)
-            with contextlib.suppress(Exception):
-                ray.kill(pool, no_restart=True)
+                ray.kill(handle, no_restart=True)
         with contextlib.suppress(Exception):
             ray.kill(self.control, no_restart=True)
         self.workers.clear()
