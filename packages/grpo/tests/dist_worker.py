@@ -15,7 +15,7 @@ import torch
 
 from tandem.grpo import GRPOConfig, GRPOTrainer, RolloutBatch, shard_by_group
 
-CONFIG = GRPOConfig(loss_agg="token-mean", micro_batch_size=3, kl_coef=0.05, max_grad_norm=0.5)
+CONFIG = GRPOConfig(loss_agg="token-mean", micro_batch_size=3, kl_coef=0.05, max_grad_norm=0.02)
 
 
 def load_tiny() -> ModuleType:
@@ -43,22 +43,30 @@ def build(tiny: ModuleType) -> tuple[torch.nn.Module, RolloutBatch]:
     return model, batch
 
 
-def main(out: str) -> None:
+def main(out: str, parallel: str) -> None:
+    """``parallel``: ``ddp`` (accelerate wraps the model) or ``fsdp`` (torch's `fully_shard`
+    over the group accelerate joined; only the optimizer goes through accelerate)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model, batch = build(load_tiny())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    trainer = GRPOTrainer(model, optimizer, CONFIG, accelerator)
+    fsdp = parallel == "fsdp"
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        optimizer = accelerator.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    trainer = GRPOTrainer(model, optimizer, CONFIG, accelerator, fsdp=fsdp)
     local = shard_by_group(batch, accelerator.process_index, accelerator.num_processes)
     metrics = trainer.step(local)
+    state = accelerator.unwrap_model(model).state_dict()
+    # every rank joins the gathers of the sharded parameters
+    params = {k: (v.full_tensor() if fsdp else v).detach().clone() for k, v in state.items()}
     if accelerator.is_main_process:
-        params = {
-            k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()
-        }
         torch.save({"params": params, "metrics": metrics, "rows": local.num_sequences}, out)
     accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -1,5 +1,8 @@
 """The 2-process (gloo, CPU) update equals the 1-process update on the same global batch,
-and bit for bit the 1-process update that accumulates as two processes (``shards=2``).
+and bit for bit the 1-process update that accumulates as two processes (``shards=2``), both
+with DDP and with FSDP (parameters sharded by torch's `fully_shard`; one process then also
+computes the clipping norm in the shard layout). The batch's rows split unevenly over the
+processes, so under FSDP one rank pads its micro-batches, and the clipping engages.
 
 The worker is started with ``accelerate launch --multi_gpu --num_processes 2`` and creates
 ``Accelerator(cpu=True)``: accelerate's launcher spawns the processes (torchrun) and the CPU
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 from accelerate import Accelerator
 
@@ -39,7 +43,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_equal_one_process(tmp_path: Path, parallel: str) -> None:
     worker = load_worker()
     model, batch = worker.build(worker.load_tiny())
     trainer = GRPOTrainer(
@@ -54,6 +59,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
         torch.optim.SGD(sharded_model.parameters(), lr=0.5),
         worker.CONFIG,
         Accelerator(cpu=True),
+        fsdp=parallel == "fsdp",
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in each of the two processes: CPU kernels split by threads
@@ -82,6 +88,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
         str(free_port()),
         str(WORKER),
         str(out),
+        parallel,
     ]
     env = {
         **os.environ,
@@ -117,9 +124,8 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     ):
         assert two["metrics"][key] == pytest_approx(single[key]), key
     assert single["groups_kept"] == 9 and single["groups"] == 10
+    assert single["grad_norm"] > worker.CONFIG.max_grad_norm  # the clipping engaged
 
 
 def pytest_approx(x: float):
-    import pytest
-
     return pytest.approx(x, rel=1e-5, abs=1e-7)

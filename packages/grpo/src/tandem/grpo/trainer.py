@@ -9,13 +9,21 @@ Why the update does not depend on the split: every micro-batch loss is a partial
 *global* normaliser, so the gradients accumulated over micro-batches and summed over processes
 are the gradient of the global-batch loss. DDP averages gradients over processes, so each
 process scales its loss by the number of processes.
+
+Under FSDP (``fsdp=True``: parameters sharded along dim 0, e.g. by torch's `fully_shard`)
+the gradients are reduce-scattered instead: only after the last micro-batch (as DDP's
+all-reduce), every rank runs the same number of micro-batches (the shorter ones pad with
+zero-weight passes, since every forward gathers parameters collectively), and the clipping
+norm is the shard layout's (`sharded_grad_norm`), which one process reproduces with
+``step(shards=N)``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import structlog
@@ -37,6 +45,7 @@ from tandem.grpo.kl import kl_estimate, kl_penalized_rewards
 from tandem.grpo.loss import policy_loss
 from tandem.grpo.metrics import MetricSums
 from tandem.grpo.numerics import as_float
+from tandem.grpo.sharded_norm import clip_sharded_grads
 
 log = structlog.get_logger()
 
@@ -70,6 +79,8 @@ class GRPOTrainer:
             `ForwardFn`); defaults to `causal_lm_forward`.
         lr_scheduler: stepped once after every optimizer step.
         policy_version: version of the weights held now; incremented by every applied step.
+        fsdp: the parameters are sharded along dim 0 over the processes (pass the model
+            already sharded, with an ``AcceleratedOptimizer``); see the module doc.
     """
 
     def __init__(
@@ -82,6 +93,7 @@ class GRPOTrainer:
         forward_fn: ForwardFn | None = None,
         lr_scheduler: Any = None,
         policy_version: int = 0,
+        fsdp: bool = False,
     ) -> None:
         from accelerate import Accelerator
         from accelerate.optimizer import AcceleratedOptimizer
@@ -102,6 +114,7 @@ class GRPOTrainer:
         )
         self.lr_scheduler = lr_scheduler
         self.policy_version = policy_version
+        self.fsdp = fsdp
 
     @property
     def device(self) -> torch.device:
@@ -233,13 +246,24 @@ class GRPOTrainer:
         zero_weight = rows.numel() == 0
         if zero_weight:  # this process still joins the gradient all-reduce, with zero loss
             rows = torch.zeros(1, dtype=torch.long, device=self.device)
-        chunks = rows.split(cfg.micro_batch_size)
-        scale = 0.0 if zero_weight else float(acc.num_processes)
-        for i, chunk in enumerate(chunks):
-            sync = i == len(chunks) - 1
-            with nullcontext() if sync else acc.no_sync(self.model):
+        chunks = list(rows.split(cfg.micro_batch_size))
+        scales = [0.0 if zero_weight else float(acc.num_processes)] * len(chunks)
+        if self.fsdp and self._distributed:  # as many (collective) passes as the busiest rank
+            most = int(self._max(torch.tensor(float(len(chunks)), device=self.device)))
+            scales += [0.0] * (most - len(chunks))
+            chunks += [rows[:1]] * (most - len(chunks))
+        for i, (chunk, scale) in enumerate(zip(chunks, scales, strict=True)):
+            with self._no_sync(last=i == len(chunks) - 1):
                 self._micro_step(batch.select(chunk), adv[chunk], normalizer, scale, sums)
         return self._finish(sums, normalizer, groups, groups_kept, all_seqs, self._apply())
+
+    def _no_sync(self, *, last: bool) -> Any:
+        """Gradients are reduced over processes only on the last micro-batch."""
+        if last:
+            return nullcontext()
+        if self.fsdp and hasattr(self.model, "set_requires_gradient_sync"):
+            return _fsdp_no_sync(self.model)
+        return self.accelerator.no_sync(self.model)
 
     def _step_as_shards(
         self,
@@ -265,7 +289,7 @@ class GRPOTrainer:
                 total[i] = _add_grads(total[i], p.grad)
         for p, g in zip(params, total, strict=True):
             p.grad = g
-        return self._apply()
+        return self._apply(shards)
 
     def _micro_step(
         self,
@@ -330,10 +354,16 @@ class GRPOTrainer:
             sums.add("nonfinite_logprob_frac", (mask & ~torch.isfinite(out.logprobs)).sum())
             sums.add("adv_abs_sum", adv.abs().sum())
 
-    def _apply(self) -> tuple[float, bool]:
-        """Clip, step and zero the gradients; returns (grad norm, whether the step was applied)."""
+    def _apply(self, shards: int = 1) -> tuple[float, bool]:
+        """Clip, step and zero the gradients; returns (grad norm, whether the step was applied).
+
+        ``shards``: processes emulated by `step(shards=...)`; under ``fsdp`` the norm is
+        computed in their shard layout."""
         max_norm = self.config.max_grad_norm or math.inf
-        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        if self.fsdp:
+            grad_norm = clip_sharded_grads(self.model.parameters(), max_norm, shards)
+        else:
+            grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
         applied = math.isfinite(grad_norm)
         if applied:
             self.optimizer.step()
@@ -391,6 +421,16 @@ class GRPOTrainer:
             policy_version=float(self.policy_version),
         )
         return metrics
+
+
+@contextmanager
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    """FSDP2's counterpart of DDP's ``no_sync``: accumulate unsharded gradients locally."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _add_grads(total: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
