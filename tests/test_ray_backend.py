@@ -1,7 +1,8 @@
 """The ``ray`` backend on a Ray cluster started here on loopback.
 
 Checks: three ``pipelined`` steps of the demo config (rollouts of the next step overlap
-training, in lock step) with two rollout actors and a 2-process trainer (gloo) end with the
+training, in lock step) with two rollout actors and a 2-process FSDP trainer (gloo; each
+rank publishes only its own shards) end with the
 same weights, bit for bit, as the same config on the ``local`` backend (the mode pins which
 weights play which group; the engine is batch-invariant, so where a group runs does not
 change its samples; the local trainer accumulates as two ranks would; the Ray run's
@@ -33,7 +34,7 @@ from rl_helpers import parity, tiny_run  # noqa: E402
 
 from tandem.app.config import load_config  # noqa: E402
 from tandem.app.pipeline_config import PipelineConfig  # noqa: E402
-from tandem.delta_sync import LocalStore, RelayStore  # noqa: E402
+from tandem.delta_sync import LocalStore, RelayStore, Subscriber  # noqa: E402
 from tandem.delta_sync.server import StoreServer  # noqa: E402
 from tandem.orchestrator.chat_format import ChatFormat  # noqa: E402
 from tandem.orchestrator.config import RayConfig, RLConfig  # noqa: E402
@@ -41,8 +42,13 @@ from tandem.orchestrator.metrics import read_metrics  # noqa: E402
 from tandem.orchestrator.policy import build_model  # noqa: E402
 from tandem.orchestrator.ray_backend import state_digest  # noqa: E402
 from tandem.orchestrator.rl import RLRun, RunHooks  # noqa: E402
+from tandem.orchestrator.sharding import shard_name  # noqa: E402
 from tandem.orchestrator.tasks import TaskSource  # noqa: E402
-from tandem.orchestrator.weights import state_for_sync, weights_equal  # noqa: E402
+from tandem.orchestrator.weights import (  # noqa: E402
+    state_for_sync,
+    stream_store,
+    weights_equal,
+)
 
 RAY = RayConfig(workers=2, worker_cpus=1, poll_s=0.5)
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +72,7 @@ def _demo_run(run_dir: Path, rl: RLConfig, hooks: RunHooks) -> RLRun:
     return RLRun(
         build_model(cfg.model, ChatFormat().tok),
         rl=rl,
-        trainer=msgspec.structs.replace(cfg.trainer, processes=2),
+        trainer=msgspec.structs.replace(cfg.trainer, processes=2),  # FSDP by default
         engine=cfg.engine,
         env=msgspec.structs.replace(cfg.env, allow_unsandboxed=True),
         tasks=TaskSource(cfg.tasks, cfg.tasks.train_seed),
@@ -133,6 +139,11 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     played = rl.steps * rl.groups_per_step * rl.group_size
     assert len(pools) == 1 and pools[0]["served"] >= played and pools[0]["open"] == 0
     assert pools[0]["pid"] not in actor_pids and pools[0]["pid"] != os.getpid()
+    # FSDP: each rank published only its own dim-0 shards, which the engines reassembled
+    store = stream_store(remote.rl.weights_store, remote.run_dir, remote.stream)
+    published = Subscriber(store).manifest(3).tensors()
+    whole = state_for_sync(remote.policy)
+    assert set(published) == {shard_name(name, rank, 2) for name in whole for rank in range(2)}
 
 
 def test_a_killed_actor_is_replaced_and_its_groups_played_again(tmp_path: Path, cluster) -> None:

@@ -150,7 +150,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     without replay to measure routing agreement without it (0 disables the extra pass).
     ``processes``: data-parallel trainer ranks (Ray actors on the ``ray`` backend). The
     ``local`` backend trains in one process that accumulates gradients as that many ranks
-    would, so the same config gives the same weights on both backends.
+    would, so the same config gives the same weights on both backends. ``parallel``: how
+    the ranks hold the model: ``ddp`` (each a whole copy, gradients all-reduced) or
+    ``fsdp`` (torch's `fully_shard`: parameters, gradients and optimizer state sharded
+    along dim 0, each rank publishing its own shards).
     """
 
     lr: float = 3e-4
@@ -159,6 +162,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     replay: Literal["R3", "R2", "none"] = "R3"
     routing_check_rows: int = 4
     processes: int = 1
+    parallel: Literal["ddp", "fsdp"] = "fsdp"
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ import torch
 
 from tandem.moe_determinism import MoETransformer, batch_invariant, token_logprobs
 from tandem.orchestrator.config import EngineConfig
+from tandem.orchestrator.sharding import ShardViews
 
 
 def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -198,7 +199,7 @@ class InferenceEngine:
         if prepared is None:
             return None
         try:
-            report = prepared.apply(self.state)
+            report = prepared.apply(ShardViews(self.state))  # a sharded trainer's parts too
             self.version = int(prepared.version)
         finally:
             # cleared only now (a pull waiting for it must not prepare from the old base),

@@ -1,10 +1,13 @@
 """The trainer of the ``ray`` backend: ``trainer.processes`` data-parallel ranks as Ray actors.
 
-Each `TrainerRank` holds the whole model (DDP through accelerate, gloo on CPU, NCCL where
-there are GPUs), trains on its `shard_by_group` share of every step's groups and publishes
-only its own partition of the tensors through delta-sync (rank 0 commits the version), so
-no process ever gathers or sends the whole model. The driver talks to the ranks through
-`RayTrainer`, which stands in for `RLTrainer` and the weight publisher in `RLRun`.
+Each `TrainerRank` holds the whole model (``trainer.parallel = "ddp"``: DDP through
+accelerate, gloo on CPU, NCCL where there are GPUs) or its dim-0 shard of every parameter
+(``"fsdp"``: torch's `fully_shard` over the group accelerate joins), trains on its
+`shard_by_group` share of every step's groups and publishes only its own part through
+delta-sync (a partition of the tensors, or its shards; rank 0 commits the version), so no
+process ever gathers or sends the whole model to publish. Checkpoints collect every rank's
+pieces on the driver. The driver talks to the ranks through `RayTrainer`, which stands in
+for `RLTrainer` and the weight publisher in `RLRun`.
 
 Every rank sees the same groups (small: token ids and routes), so a step depends only on
 them and the weights: with ``processes`` = 2 the update is the one a single process makes
@@ -27,6 +30,13 @@ from tandem.delta_sync import PayloadReport, PublishReport
 from tandem.moe_determinism import MoEConfig, MoETransformer
 from tandem.orchestrator.config import RayConfig, TrainerConfig
 from tandem.orchestrator.episode import Sample
+from tandem.orchestrator.sharding import (
+    local_optimizer_state,
+    local_state,
+    merge_optimizer_states,
+    merge_shards,
+    shard_optimizer_state,
+)
 
 log = structlog.get_logger()
 
@@ -99,6 +109,11 @@ class TrainerRank:
             world=self.world,
         )
         if optimizer_state is not None:
+            if self.trainer.fsdp and self.world > 1:
+                params = list(self.trainer.model.parameters())
+                optimizer_state = shard_optimizer_state(
+                    optimizer_state, params, self.rank, self.world
+                )
             self.trainer.grpo.optimizer.load_state_dict(optimizer_state)
         self.publisher = WeightPublisher(
             open_store(spec.store_url),
@@ -113,10 +128,36 @@ class TrainerRank:
     def publish(self) -> PublishReport | None:
         return self.publisher.try_publish(self.trainer.policy_version, self.trainer.model)
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
-        """(weights, optimizer state, policy version) for a checkpoint or the final policy."""
-        state = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
-        return state, self.trainer.grpo.optimizer.state_dict(), self.trainer.policy_version
+    def snapshot(self) -> RankSnapshot:
+        """This rank's weights and optimizer state (its shards under FSDP, else whole) for a
+        checkpoint or the final policy."""
+        state, sharded = local_state(self.trainer.model.state_dict())
+        optimizer, sharded_moments = local_optimizer_state(self.trainer.grpo.optimizer.state_dict())
+        return RankSnapshot(state, sharded, optimizer, sharded_moments, self.trainer.policy_version)
+
+
+@dataclass
+class RankSnapshot:
+    """One rank's pieces of the trainer state; ``sharded*`` name the pieces that are dim-0
+    shards (concatenated over ranks by `merge_snapshots`)."""
+
+    state: dict[str, torch.Tensor]
+    sharded: set[str]
+    optimizer: dict[str, Any]
+    sharded_moments: set[tuple[int, str]]
+    version: int
+
+
+def merge_snapshots(
+    parts: list[RankSnapshot],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+    """(whole weights, whole optimizer state, policy version) from every rank's snapshot."""
+    first = parts[0]
+    if not first.sharded:  # DDP: every rank holds it all
+        return first.state, first.optimizer, first.version
+    state = merge_shards([p.state for p in parts], first.sharded)
+    optimizer = merge_optimizer_states([p.optimizer for p in parts], first.sharded_moments)
+    return state, optimizer, first.version
 
 
 def _gather(refs: list[Any]) -> list[Any]:
@@ -179,6 +220,7 @@ class RayTrainer:
         import ray
 
         self.world = spec.trainer.processes
+        self.sharded = spec.trainer.parallel == "fsdp" and self.world > 1
         cls = ray.remote(TrainerRank)
         self.ranks = [
             cls.options(
@@ -227,9 +269,10 @@ class RayTrainer:
         return report
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
-        import ray
-
-        return ray.get(self.ranks[0].snapshot.remote())
+        """Whole weights and optimizer state: rank 0's under DDP, every rank's shards
+        joined under FSDP."""
+        ranks = self.ranks if self.sharded else self.ranks[:1]
+        return merge_snapshots(_gather([r.snapshot.remote() for r in ranks]))
 
     def close(self) -> None:
         import ray

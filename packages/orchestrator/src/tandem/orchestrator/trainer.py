@@ -5,7 +5,7 @@ truncated importance weights against the rollout log-probs). This module supplie
 forward hook: the trainer re-scores each trajectory inside `batch_invariant()` with the
 experts the engine recorded (R3), or with its own routes from a no-grad pass (R2), or free.
 
-It also measures what the issue calls train-vs-rollout mismatch: on samples whose every
+It also measures the train-vs-rollout mismatch: on samples whose every
 token came from the trainer's current version, the trainer's log-probs against the
 engine's (max |Δ|, k3, fraction of differing tokens), and routing agreement of the
 trainer's *own* choice (a no-replay pass) with the engine's recorded experts.
@@ -34,6 +34,7 @@ from tandem.moe_determinism import (
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.engine import sampling_logits
 from tandem.orchestrator.episode import Sample
+from tandem.orchestrator.sharding import shard_model
 
 
 def collate(groups: Sequence[Sequence[Sample]]) -> RolloutBatch:
@@ -158,23 +159,31 @@ class RLTrainer:
             micro_batch_size=loss.micro_batch_size,
             max_grad_norm=loss.max_grad_norm,
         )
+        self.hook = _ReplayForward(config.replay, temperature)
+        self.rank, self.world = rank, world
+        self.fsdp = config.parallel == "fsdp"
+        # experts that none of a rank's tokens reach get no gradient on that rank
+        ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if world > 1 else []
+        accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=ddp)
+        if self.fsdp and world > 1:  # accelerate has joined the process group by now
+            shard_model(model, accelerator.device)
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=config.lr,
             betas=(config.betas[0], config.betas[1]),
             weight_decay=config.weight_decay,
         )
-        self.hook = _ReplayForward(config.replay, temperature)
-        self.rank, self.world = rank, world
-        # experts that none of a rank's tokens reach get no gradient on that rank
-        ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if world > 1 else []
+        optimizer: Any = self.optimizer
+        if self.fsdp and world > 1:  # the model is used as sharded; only the optimizer wraps
+            optimizer = accelerator.prepare_optimizer(self.optimizer)
         self.grpo = GRPOTrainer(
             model,
-            self.optimizer,
+            optimizer,
             self.grpo_config,
-            Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=ddp),
+            accelerator,
             forward_fn=self.hook,
             policy_version=policy_version,
+            fsdp=self.fsdp,
         )
 
     @property

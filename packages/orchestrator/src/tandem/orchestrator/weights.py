@@ -23,6 +23,7 @@ from tandem.delta_sync import (
     Subscriber,
     open_store,
 )
+from tandem.orchestrator.sharding import is_sharded, local_shards
 
 log = structlog.get_logger()
 
@@ -67,9 +68,10 @@ def rank_partition(sizes: Mapping[str, int], world: int) -> list[list[str]]:
 class WeightPublisher:
     """Publishes policy versions of the trainer's model and remembers the figures.
 
-    With ``world`` > 1 (a data-parallel trainer of that many processes, each holding the whole
-    model), rank ``rank`` publishes only its `rank_partition` of the tensors as its part of
-    the version, and rank 0 commits it: no process gathers or sends the whole model, and
+    With ``world`` > 1 (a data-parallel trainer of that many processes), rank ``rank``
+    publishes only its part of the version, and rank 0 commits it: its `rank_partition` of
+    the tensors when every rank holds the whole model (DDP), its own shards of every tensor
+    under FSDP (`local_shards`). No process gathers or sends the whole model, and
     subscribers reassemble it.
 
     `try_publish` survives a failing store: the version is left `pending` (the stream is
@@ -93,7 +95,9 @@ class WeightPublisher:
 
     def publish(self, version: int, model: torch.nn.Module) -> PublishReport:
         state = state_for_sync(model)
-        if self.world > 1:
+        if self.world > 1 and any(is_sharded(v) for v in state.values()):
+            state = local_shards(state, self.rank, self.world)  # FSDP: this rank's shards
+        elif self.world > 1:
             if self.names is None:
                 sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
                 self.names = set(rank_partition(sizes, self.world)[self.rank])
