@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,3 +122,65 @@ def test_context_overflow_is_a_clear_error(chat, tiny_policy, make_engine, helpe
     slot = engine.acquire()
     with pytest.raises(EngineError, match="do not fit"):
         engine.submit(slot, list(range(70)), torch.Generator(), 4)
+
+
+def _same_samples(a, b) -> bool:
+    return all(
+        x.tokens == y.tokens
+        and x.logprobs == y.logprobs  # floats compared exactly
+        and x.versions == y.versions
+        and np.array_equal(x.routes, y.routes)
+        and (x.min_version, x.max_version) == (y.min_version, y.max_version)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_shared_prefixes_are_copied_without_changing_a_bit(
+    chat, tiny_policy, make_engine, helpers
+) -> None:
+    """A group's samples start with one prompt: one computes it, the others copy its keys,
+    values and routes (they wait one step for it), and every sample is what it is without
+    sharing: tokens, log-probs, versions and routes."""
+    task = helpers.prompt(chat, "the same task for the whole group, long enough to share")
+    obs = helpers.observation(chat, "file text\n1\tdef f(): pass")
+    episodes = [(task, [obs], seed) for seed in (21, 22, 23, 24)]
+    episodes.append((helpers.prompt(chat, "another task"), [obs], 25))
+    plain = make_engine(tiny_policy, share_prefixes=False)
+    shared = make_engine(tiny_policy)
+    want = helpers.drive(plain, chat, episodes)
+    got = helpers.drive(shared, chat, episodes)
+    assert _same_samples(got, want)
+    assert all(s.routes.shape[0] == len(s.tokens) - 1 for s in got)
+    assert plain.stats.tokens_reused == 0
+    # three of the four copy all of the prompt but the token they sample from
+    assert shared.stats.tokens_reused >= 3 * (len(task) - 1)
+    assert shared.stats.tokens_fed == plain.stats.tokens_fed - shared.stats.tokens_reused
+
+
+def test_no_prefix_is_shared_across_weight_versions(
+    chat, tiny_policy, make_engine, tmp_path, helpers
+) -> None:
+    """A released slot's cache stays a donor while its version is current; after an update
+    the same prompt is computed afresh (and equals a fresh engine's on the new weights)."""
+    task = helpers.prompt(chat, "a prompt played twice")
+    engine = make_engine(tiny_policy)
+    helpers.drive(engine, chat, [(task, [], 31)])
+    again = helpers.drive(engine, chat, [(task, [], 32)])
+    assert engine.stats.tokens_reused == len(task) - 1  # from the released slot
+    assert _same_samples(again, helpers.drive(make_engine(tiny_policy), chat, [(task, [], 32)]))
+
+    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
+    publisher.publish(0, tiny_policy)
+    sub = publisher.subscriber(0)
+    with torch.no_grad():
+        for p in tiny_policy.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    publisher.publish(1, tiny_policy)
+    engine.stage_update(sub.prepare())
+    engine.apply_pending()
+    reused = engine.stats.tokens_reused
+    after = helpers.drive(engine, chat, [(task, [], 33)])
+    assert engine.stats.tokens_reused == reused  # version 0's rows are not version 1's
+    fresh = make_engine(tiny_policy)
+    fresh.version = 1
+    assert _same_samples(after, helpers.drive(fresh, chat, [(task, [], 33)]))

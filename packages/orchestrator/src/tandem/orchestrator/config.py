@@ -106,6 +106,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     false, only at a step where no turn is being generated (episodes may still span versions).
     ``stop_malformed``: end a turn at the first token after which it can no longer become a
     well-formed call of a known tool (`CallPrefix`), instead of decoding to the token budget.
+    ``share_prefixes``: a turn copies the keys and values another slot already computed for
+    its leading tokens at the current version instead of prefilling them (bit-exact under
+    ``deterministic``; see `PrefixIndex`).
     """
 
     max_slots: int = 32
@@ -115,6 +118,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     deterministic: bool = True
     update_mid_rollout: bool = True
     stop_malformed: bool = True
+    share_prefixes: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_slots >= 1, "max_slots", "must be >= 1")

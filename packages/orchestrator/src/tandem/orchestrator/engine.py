@@ -16,10 +16,16 @@ the engine's log-probs the trainer's log-probs bit for bit.
 New weights arrive as a prepared delta-sync version (downloaded and decoded while serving);
 `step` applies it between two decoding steps (the pause), optionally in the middle of
 episodes (``update_mid_rollout``).
+
+With ``share_prefixes`` a turn whose tokens continue what another slot's cache already
+holds at the current version copies those keys, values and routes (`PrefixIndex`) instead
+of prefilling them: a GRPO group's samples compute their shared prompt once. Under
+``deterministic`` the copied rows are the ones the slot would compute, bit for bit.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -32,6 +38,7 @@ import torch
 
 from tandem.moe_determinism import MoETransformer, batch_invariant, token_logprobs
 from tandem.orchestrator.config import EngineConfig
+from tandem.orchestrator.prefix_cache import DEFER_MIN_TOKENS, PrefixIndex
 from tandem.orchestrator.sharding import ShardViews
 
 
@@ -87,6 +94,7 @@ class EngineStats:
 
     forward_passes: int = 0
     tokens_fed: int = 0
+    tokens_reused: int = 0
     tokens_sampled: int = 0
     forward_seconds: float = 0.0
     updates: int = 0
@@ -106,7 +114,20 @@ class InferenceEngine:
         self.stop_id = stop_id
         self.version = version
         self.cache = model.new_cache(config.max_slots, config.max_len)
-        self._free = list(range(config.max_slots - 1, -1, -1))
+        mc = model.config
+        self.route_dtype = np.uint8 if mc.num_experts <= 256 else np.int32
+        self.prefixes = (
+            PrefixIndex(
+                config.max_slots,
+                config.max_len,
+                (mc.num_hidden_layers, mc.num_experts_per_tok),
+                self.route_dtype,
+            )
+            if config.share_prefixes
+            else None
+        )
+        # least recently released first: a released slot's cache stays a prefix donor longest
+        self._free = collections.deque(range(config.max_slots))
         self._active: dict[int, _Active] = {}
         self._incoming: list[_Active] = []
         self._lock = threading.Lock()
@@ -129,8 +150,10 @@ class InferenceEngine:
                     f"all {self.config.max_slots} slots are in use; raise engine.max_slots or "
                     "run fewer episodes at once"
                 )
-            slot = self._free.pop()
+            slot = self._free.popleft()
         self.cache.reset(slot)
+        if self.prefixes is not None:
+            self.prefixes.reset(slot)
         return slot
 
     def release(self, slot: int) -> None:
@@ -236,9 +259,11 @@ class InferenceEngine:
         if may_update:
             self.apply_pending()
         with self._lock:
-            for req in self._incoming:
+            admitted: list[_Active] = []
+            waiting = [req for req in self._incoming if not self._admit(req, admitted)]
+            for req in admitted:
                 self._active[req.slot] = req
-            self._incoming.clear()
+            self._incoming = waiting
             active = list(self._active.values())
         if not active:
             return []
@@ -249,6 +274,34 @@ class InferenceEngine:
             if batch:
                 results += zip(batch, *self._forward(batch), strict=True)
         return [done for done in map(self._advance, results) if done is not None]
+
+    def _admit(self, req: _Active, admitted: list[_Active]) -> bool:
+        """Start ``req`` this step, after copying what another slot already computed of it;
+        False (wait a step) when a turn admitted this step will compute a longer prefix."""
+        if self.prefixes is None:
+            admitted.append(req)
+            return True
+        donor, count = self.prefixes.match(req.slot, req.to_feed, self.version)
+        ahead = (
+            max(
+                (self.prefixes.shared_run((a.slot, a.to_feed), (req.slot, req.to_feed)))
+                for a in admitted
+            )
+            if admitted
+            else 0
+        )
+        if ahead - count >= DEFER_MIN_TOKENS:
+            return False
+        if count:
+            end = self.context_length(req.slot) + count
+            self.cache.copy_prefix(donor, req.slot, end)
+            req.routes.append(self.prefixes.take(donor, req.slot, count))
+            req.to_feed = req.to_feed[count:]
+            req.min_version = min(req.min_version, self.version)
+            req.max_version = max(req.max_version, self.version)
+            self.stats.tokens_reused += count
+        admitted.append(req)
+        return True
 
     def _forward(self, batch: list[_Active]) -> tuple[list[np.ndarray], list[int], list[float]]:
         """One forward over ``batch``: each request's routes, sampled token and its log-prob."""
@@ -266,9 +319,12 @@ class InferenceEngine:
         self.stats.forward_passes += 1
         self.stats.tokens_fed += int(flat.numel())
         self.stats.tokens_sampled += len(batch)
-        routes = out.route_ids.to(torch.uint8 if out.num_experts <= 256 else torch.int32).numpy()
-        bounds = cu.tolist()
-        return [routes[i:j] for i, j in itertools.pairwise(bounds)], tokens, logprobs
+        routes = out.route_ids.numpy().astype(self.route_dtype)
+        per_request = [routes[i:j] for i, j in itertools.pairwise(cu.tolist())]
+        if self.prefixes is not None:
+            for a, fed, r in zip(batch, feeds, per_request, strict=True):
+                self.prefixes.record(a.slot, fed, r, self.version)
+        return per_request, tokens, logprobs
 
     def _advance(
         self, result: tuple[_Active, np.ndarray, int, float]

@@ -52,6 +52,8 @@ class RolloutStats:
     """Inference-side figures for the step metrics (summed or merged over engines)."""
 
     tokens_sampled: int = 0
+    tokens_fed: int = 0
+    tokens_reused: int = 0
     engine_version: int = -1
     pause_s: list[float] = field(default_factory=list)
     prepare_s: list[float] = field(default_factory=list)
@@ -65,6 +67,8 @@ class RolloutStats:
         out = RolloutStats(workers=len(parts))
         for p in parts:
             out.tokens_sampled += p.tokens_sampled
+            out.tokens_fed += p.tokens_fed
+            out.tokens_reused += p.tokens_reused
             out.pause_s += p.pause_s
             out.prepare_s += p.prepare_s
             out.sync_bytes += p.sync_bytes
@@ -225,6 +229,8 @@ class LocalRollouts:
         es = self.engine.stats
         return RolloutStats(
             tokens_sampled=es.tokens_sampled,
+            tokens_fed=es.tokens_fed,
+            tokens_reused=es.tokens_reused,
             engine_version=self.engine.version,
             pause_s=list(es.pause_seconds),
             prepare_s=list(self.server.prepare_seconds),

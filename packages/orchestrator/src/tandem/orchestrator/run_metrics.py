@@ -68,6 +68,8 @@ def step_metrics(
         "trainer_tokens_per_s": tokens / max(stats["train_s"], 1e-9),
         "wait_s": t_wait,
         "rollout_tokens_sampled": rollouts.tokens_sampled,
+        "engine_tokens_fed": rollouts.tokens_fed,
+        "engine_tokens_reused": rollouts.tokens_reused,
         "engine_version": rollouts.engine_version,
         "engine_pause_s": rollouts.pause_s[-1] if rollouts.pause_s else None,
         "engine_prepare_s": rollouts.prepare_s[-1] if rollouts.prepare_s else None,

@@ -49,6 +49,21 @@ class KVCache:
             )
         self.lengths[slot] = length
 
+    def copy_prefix(self, src: int, dst: int, end: int) -> None:
+        """Extend ``dst`` to length ``end`` with ``src``'s keys and values at those positions
+        (the caller guarantees both sequences hold the same tokens up to ``end``)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        start = int(self.lengths[dst])
+        if not start <= end <= int(self.lengths[src]):
+            raise MoEDeterminismError(
+                f"cannot extend slot {dst} (length {start}) to {end} from slot {src} "
+                f"(length {int(self.lengths[src])})"
+            )
+        for cache in (*self.keys, *self.values):
+            cache[dst, :, start:end] = cache[src, :, start:end]
+        self.lengths[dst] = end
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise MoEDeterminismError(f"slot {slot} out of range [0, {self.max_slots})")
