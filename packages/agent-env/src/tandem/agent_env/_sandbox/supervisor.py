@@ -382,7 +382,8 @@ def main():
 
 def serve(cfg):
     """Answer requests from stdin on stdout until stdin closes (fd 1 then goes to /dev/null,
-    so nothing but answers reaches the host)."""
+    so nothing but answers reaches the host). Requests and answers go through os.read and
+    os.write directly (see request_lines)."""
     global CFG, WS, SHELL, ENV
     CFG = cfg
     if CFG.get("pid_namespace") and os.getpid() == 1 and os.getuid() != 0:
@@ -395,13 +396,16 @@ def serve(cfg):
     _limit(resource.RLIMIT_FSIZE, CFG.get("fsize"))
     _limit(resource.RLIMIT_NOFILE, CFG.get("nofile"))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    out = os.fdopen(os.dup(1), "w", buffering=1)
+    out = os.dup(1)
     null = os.open("/dev/null", os.O_WRONLY)
     os.dup2(null, 1)
-    out.write(dumps({"ok": True, "ready": True, "pid": os.getpid()}) + "\n")
-    for line in sys.stdin:
+    reaped = select.poll()  # whether SIGCHLD has come since the last reaping (no read to fail)
+    if REAP_FD >= 0:
+        reaped.register(REAP_FD, select.POLLIN)
+    send_line(out, dumps({"ok": True, "ready": True, "pid": os.getpid()}))
+    for line in request_lines(0):
         try:
-            req = loads(line)
+            req = loads(line.decode())
             resp = OPS[req["op"]](req)
             resp["ok"] = True
         except ToolFailure as e:
@@ -410,11 +414,44 @@ def serve(cfg):
             resp = {"ok": False, "error": f"{type(e).__name__}: {e.strerror or e}"}
         except (KeyError, IndexError, TypeError, ValueError, UnicodeError) as e:
             resp = {"ok": False, "error": f"bad request: {type(e).__name__}: {e}"}
-        out.write(dumps(resp) + "\n")
-        if REAP_FD >= 0:
+        send_line(out, dumps(resp))
+        if REAP_FD >= 0 and reaped.poll(0):
             reap_orphans(_children(0), REAP_FD)
     for sh in SHELLS:
         sh.close()
+
+
+def request_lines(fd):
+    """The request lines arriving on ``fd`` (without their newline), read with os.read: a
+    text stream would decode, copy and account for every request through io's layers, more
+    Python work per call and, in a job forked from the fork server, more pages copied. A
+    line cut off by the end of the stream is dropped (its sender is gone)."""
+    pending = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                break
+            if pending:  # a long request (a large write_file) arrives in several reads
+                pending.append(chunk[start:end])
+                yield b"".join(pending)
+                pending = []
+            else:
+                yield chunk[start:end]
+            start = end + 1
+        if start < len(chunk):
+            pending.append(chunk[start:])
+
+
+def send_line(fd, text):
+    """Write ``text`` and a newline to ``fd`` in as few write(2) calls as it takes."""
+    data = (text + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 if __name__ == "__main__":
