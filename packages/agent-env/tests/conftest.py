@@ -30,13 +30,16 @@ def config() -> EnvConfig:
 
 
 def live_episode_state() -> dict[str, list[str]]:
-    """Episode cgroups, episode directories and processes still alive in any runtime."""
+    """Episode cgroups in use, episode directories and processes still alive in any runtime
+    (emptied groups kept for reuse are not in use, but a process in one would be listed)."""
     left: dict[str, list[str]] = {"cgroups": [], "episodes": [], "pids": []}
     for rt in list(Runtime._shared.values()):
         if rt.cgroups is not None:
+            idle = rt.cgroups.idle_dirs()
             for parent in rt.cgroups.parents.values():
                 for d in parent.glob("ep-*"):
-                    left["cgroups"].append(str(d))
+                    if d not in idle:
+                        left["cgroups"].append(str(d))
                     procs = (
                         (d / "cgroup.procs").read_text().split()
                         if (d / "cgroup.procs").exists()

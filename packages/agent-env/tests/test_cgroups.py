@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,62 @@ def test_v1_episode_cgroup_limits_and_removal() -> None:
     finally:
         mgr.close()
     assert parents and not any(p.exists() for p in parents)
+
+
+def _fork_refused_in(cg: EpisodeCgroup) -> None:
+    """A process joins ``cg`` (pids limit 1), fails to fork there and exits."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.read(r, 1)
+        try:
+            child = os.fork()
+        except OSError:
+            os._exit(0)
+        if child == 0:
+            os._exit(0)
+        os._exit(1)
+    cg.join(pid)
+    os.write(w, b"g")
+    _, status = os.waitpid(pid, 0)
+    os.close(r)
+    os.close(w)
+    assert os.waitstatus_to_exitcode(status) == 0  # the fork was refused at the limit
+
+
+def test_v1_emptied_groups_are_recycled_with_their_counters_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mgr = CgroupManager()
+    try:
+        cg = mgr.create(memory_bytes=64 << 20, pids=1)
+        _fork_refused_in(cg)
+        assert cg.pids_limit_hits() == 1
+        assert cg.recycle()
+        assert all(d.exists() for d in cg.dirs.values())  # kept, not removed
+        again = mgr.create(memory_bytes=64 << 20, pids=1)
+        assert again is cg and again.pids_limit_hits() == 0 and again.oom_kills() == 0
+        assert (again.dirs["pids"] / "pids.max").read_text().strip() == "1"
+        _fork_refused_in(again)
+        assert again.pids_limit_hits() == 1  # counted from the reuse on
+        other = mgr.create(memory_bytes=32 << 20, pids=1)  # other limits: a group of its own
+        assert other.dirs != cg.dirs
+        # a group that still has a process is not kept
+        proc = os.fork()
+        if proc == 0:
+            time.sleep(30)
+            os._exit(0)
+        other.join(proc)
+        assert not other.recycle()
+        assert mgr.create(memory_bytes=32 << 20, pids=1).dirs != other.dirs
+        os.kill(proc, 9)
+        os.waitpid(proc, 0)
+        assert other.rmdir()
+        # past IDLE_GROUPS emptied groups are removed, not kept
+        monkeypatch.setattr("tandem.agent_env.cgroups.IDLE_GROUPS", 1)
+        first, second = mgr.create(64 << 20, 1), mgr.create(64 << 20, 1)
+        assert first.recycle() and second.recycle()
+        assert all(d.exists() for d in first.dirs.values())
+        assert not any(d.exists() for d in second.dirs.values())
+    finally:
+        mgr.close()

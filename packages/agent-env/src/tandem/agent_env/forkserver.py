@@ -218,7 +218,7 @@ class ForkServer:
             "nofile": lim.open_files,
         }
         mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
-        cgroup = await asyncio.to_thread(rt.cgroups.create, mem, lim.pids)
+        cgroup = rt.cgroups.create(mem, lim.pids)  # usually a recycled one: no thread trip
         out = JobOutput()
         pidfd = -1
         try:
@@ -263,9 +263,9 @@ async def kill_job(pidfd: int) -> bool:
 
 
 async def end_job(pidfd: int, cgroup: EpisodeCgroup) -> None:
-    """Kill a job and remove its cgroup: no worker thread and no polling of the cgroup's
+    """Kill a job and recycle its cgroup: no worker thread and no polling of the cgroup's
     process list unless the job outlives the kill."""
-    if not (await kill_job(pidfd) and cgroup.rmdir()):
+    if not (await kill_job(pidfd) and cgroup.recycle()):
         await asyncio.to_thread(cgroup.remove)
 
 
