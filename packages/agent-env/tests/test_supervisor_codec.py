@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.agent_env import jsonwire
 from tandem.agent_env._sandbox import jsonlite as supervisor
 
 scalars = (
@@ -34,3 +35,16 @@ def test_codec_roundtrips_against_stdlib_json(value: object) -> None:
 def test_codec_rejects_malformed_json(bad: str) -> None:
     with pytest.raises((ValueError, IndexError)):
         supervisor.loads(bad)
+
+
+@settings(max_examples=120, deadline=None)
+@given(values)
+def test_host_encoding_reads_back_on_the_sandbox_side(value: object) -> None:
+    line = jsonwire.encode(value).decode()  # the supervisor decodes each line as UTF-8
+    assert json.loads(line) == value and supervisor.loads(line) == value
+
+
+def test_text_that_is_not_utf8_still_reaches_the_sandbox_exactly() -> None:
+    req = {"op": "shell", "cmd": "printf '\udcff\udc80' é"}  # bytes a command may carry
+    line = jsonwire.encode(req).decode()
+    assert json.loads(line) == req and supervisor.loads(line) == req

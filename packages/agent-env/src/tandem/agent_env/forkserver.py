@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from tandem.agent_env import bwrap as bw
+from tandem.agent_env import jsonwire
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.proc import ChildProcess, reap, spawn
 
@@ -169,7 +170,7 @@ class ForkServer:
                 await self._ensure()
                 assert self.ctl is not None
                 try:
-                    await _send_job(self.ctl, json.dumps(job).encode(), theirs.fileno())
+                    await _send_job(self.ctl, jsonwire.encode(job), theirs.fileno())
                 except OSError as e:
                     msg = f"could not send the job to the fork server: {e}"
                     raise ForkServerError(msg) from e

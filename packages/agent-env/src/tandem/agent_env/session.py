@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -21,6 +22,7 @@ import msgspec
 import structlog
 
 from tandem.agent_env import bwrap as bw
+from tandem.agent_env import jsonwire
 from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
 from tandem.agent_env.deadlines import deadlines
@@ -197,7 +199,7 @@ class Session:
         if self._writer is None:
             raise SessionLost("the sandbox is not running")
         try:
-            self._writer.write(json.dumps(req).encode() + b"\n")
+            self._writer.write(jsonwire.encode(req) + b"\n")
             await self._writer.drain()
             return await self._read(timeout)
         except (SessionLost, ConnectionError, BrokenPipeError) as e:
@@ -256,7 +258,7 @@ class Session:
             if mounts is not None:
                 await mounts.call("umount", str(self.disk))
         finally:
-            shutil.rmtree(self.dir, True)  # (a few entries: the disk's mount point and logs)
+            _remove_episode_dir(self.dir, self.disk)
             if not self._released:
                 self._released = True
                 self.runtime.release_base(self.base)
@@ -266,6 +268,18 @@ class Session:
         if self.runtime.sandboxed:
             return [str(self.base), str(self.upper)]
         return [str(self.workspace)]
+
+
+def _remove_episode_dir(path: Path, disk: Path) -> None:
+    """Delete an episode's directory: usually just the (unmounted, empty) disk mount point,
+    two rmdir calls instead of a tree walk; anything else (logs of a bwrap sandbox, a disk
+    that could not be unmounted) goes through ``shutil.rmtree``."""
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(disk)
+        os.rmdir(path)
+    except OSError:
+        shutil.rmtree(path, True)
 
 
 def os_signal_name(code: int) -> str:
