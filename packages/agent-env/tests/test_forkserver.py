@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import textwrap
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -370,3 +371,39 @@ def test_episodes_survive_a_fork_server_that_dies(config: EnvConfig) -> None:
     assert lost.is_error and "a new one was started" in lost.content
     assert "kept" in kept.content and not kept.is_error
     assert res.reward == 0.0 and res.info["infra_fault"] is False  # graded, not lost
+
+
+def _server_interpreter(config: EnvConfig) -> int:
+    """The pid of the fork server's interpreter (below the cgroup shim, nsenter and bwrap)."""
+    server = Runtime.shared(config.sandbox).forkserver
+    assert server is not None and server.proc is not None
+    pid = server.proc.pid
+    while Path(f"/proc/{pid}/comm").read_text().strip() != "python3":
+        pid = int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+    return pid
+
+
+def test_forked_episodes_have_namespaces_of_their_own(config: EnvConfig) -> None:
+    kinds = ("mnt", "net", "ipc", "uts", "pid")
+    probe = call(
+        "bash", command="for n in " + " ".join(kinds) + "; do readlink /proc/self/ns/$n; done"
+    )
+
+    async def one() -> tuple[list[str], list[str]]:
+        env = Env(SUM_TASK, config)
+        await env.reset()
+        try:
+            assert env._session is not None and env._session.forked
+            out = (await env.step(probe)).observation.content.splitlines()[: len(kinds)]
+            server = _server_interpreter(config)
+            return out, [os.readlink(f"/proc/{server}/ns/{k}") for k in kinds]
+        finally:
+            await env.close()
+
+    async def main() -> list[tuple[list[str], list[str]]]:
+        return await asyncio.gather(one(), one())
+
+    (first, server), (second, _) = asyncio.run(main())
+    host = [os.readlink(f"/proc/self/ns/{k}") for k in kinds]
+    for k, a, b, s, h in zip(kinds, first, second, server, host, strict=True):
+        assert a.startswith(f"{k}:[") and len({a, b, s, h}) == 4, (k, a, b, s, h)

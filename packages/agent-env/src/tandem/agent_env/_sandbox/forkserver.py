@@ -16,8 +16,10 @@ builds a sandbox of its own before any untrusted code runs:
 - it enters a user namespace of its own as uid 1000 with no capabilities, no way back to them
   and no further user namespaces, and closes every descriptor but the job's socket.
 
-The server forks each job straight into fresh namespaces (it unshares them, forks, and
-returns to its own). Pid 1 of a job's namespaces is its init; when it exits the kernel kills everything left
+The server forks each job straight into a fresh pid namespace (it unshares it, forks, and
+returns to its own); the job takes its other fresh namespaces itself once it is in its
+cgroup, before it builds its sandbox.
+Pid 1 of a job's namespaces is its init; when it exits the kernel kills everything left
 there, so nothing a job started survives it. A ``session`` job runs the episode supervisor
 as that pid 1 (it reaps the orphans an init gets), a ``grade`` job the hidden tests.
 
@@ -207,9 +209,16 @@ def _limits(job):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _fatal(sock, text):
+def _send(fd, data):
+    """All of ``data`` to the job's socket with os.write: a socket object (and its class's
+    machinery) would be more pages copied per job."""
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _fatal(fd, text):
     try:  # noqa: SIM105 - contextlib is a costly import here
-        sock.sendall((dumps({"fatal": text}) + "\n").encode())
+        _send(fd, (dumps({"fatal": text}) + "\n").encode())
     except OSError:
         pass
 
@@ -219,13 +228,13 @@ def _close_fds_but(keep):
     os.closerange(keep + 1, 65536)
 
 
-def _run_grade(job, sock):
+def _run_grade(job, sock_fd):
     """Pid 1 of a grading job: run the tests in this (warm) interpreter."""
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    results = os.fdopen(os.dup(sock.fileno()), "w", buffering=1)
-    sock.close()
+    results = os.fdopen(os.dup(sock_fd), "w", buffering=1)
+    os.close(sock_fd)
     _close_fds_but(results.fileno())
     spec = dict(job["spec"], workspace=_WS)
     try:
@@ -238,17 +247,17 @@ def _run_grade(job, sock):
     os._exit(0)
 
 
-def _run_session(job, sock):
+def _run_session(job, sock_fd):
     """Pid 1 of an episode is its supervisor, on the socket: no second fork of this
     interpreter. As init it cannot be killed from inside its namespace (signals it has no
     handler for are dropped there), it collects the orphans re-parented to it, and its exit
     ends every process the episode left."""
     try:
-        os.dup2(sock.fileno(), 0)
-        os.dup2(sock.fileno(), 1)
+        os.dup2(sock_fd, 0)
+        os.dup2(sock_fd, 1)
         null = os.open("/dev/null", os.O_WRONLY)
         os.dup2(null, 2)
-        sock.close()
+        os.close(sock_fd)
         _close_fds_but(2)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # no KeyboardInterrupt from `kill -INT 1`
         supervisor.serve(job["config"])
@@ -256,74 +265,65 @@ def _run_session(job, sock):
         os._exit(0)
 
 
-def _job_init(job, sock):
+def _job_init(job, sock_fd):
     """Pid 1 of the job's namespaces: build its sandbox, then run the job."""
     try:
+        _check(_unshare(_JOB_NS), "unshare the mount, network, IPC and UTS namespaces")
         _setup_mounts(job)
         _loopback_up()
         _become_agent()
         _drop_privileges()
         _limits(job)
     except Exception as e:
-        _fatal(sock, f"sandbox setup failed: {type(e).__name__}: {e}")
+        _fatal(sock_fd, f"sandbox setup failed: {type(e).__name__}: {e}")
         os._exit(70)
     for name in _OWN_MODULES:  # workspace modules may have these names
         sys.modules.pop(name, None)
     if job.get("kind") == "session":
-        _run_session(job, sock)
+        _run_session(job, sock_fd)
     else:
-        _run_grade(job, sock)
+        _run_grade(job, sock_fd)
 
 
-_FRESH = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
-_OWN_NS = []  # (fd, flag) of the server's own namespaces, to return to after each fork
+# A process cannot enter a new pid namespace itself, only its children can: the server makes
+# each job's pid namespace and forks into it; the job makes its other namespaces itself
+# (_job_init), so the server has one namespace to return to per job instead of five.
+_JOB_NS = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+_OWN_PID_NS = []  # the server's own pid namespace (an fd), to return to after each fork
 
 
 def _fork_job():
-    """Fork a child that is pid 1 of fresh mount, pid, network, IPC and UTS namespaces (one
-    fork per job, no intermediate process), then return to the server's own namespaces."""
-    if not _OWN_NS:
-        for name, flag in (
-            ("mnt", _CLONE_NEWNS),
-            ("pid", _CLONE_NEWPID),
-            ("net", _CLONE_NEWNET),
-            ("ipc", _CLONE_NEWIPC),
-            ("uts", _CLONE_NEWUTS),
-        ):
-            _OWN_NS.append((os.open(f"/proc/self/ns/{name}", os.O_RDONLY), flag))
-    _check(_unshare(_FRESH), "unshare")
+    """Fork a child that is pid 1 of a fresh pid namespace (one fork per job, no
+    intermediate process), then return to the server's own pid namespace."""
+    if not _OWN_PID_NS:
+        _OWN_PID_NS.append(os.open("/proc/self/ns/pid", os.O_RDONLY))
+    _check(_unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
     pid = -1
     try:
         pid = os.fork()
     finally:
-        if pid != 0:
-            for fd, flag in _OWN_NS:
-                if _setns(fd, flag) != 0:
-                    os._exit(75)  # stuck in a job's namespaces: the host starts a new server
+        if pid != 0 and _setns(_OWN_PID_NS[0], _CLONE_NEWPID) != 0:
+            os._exit(75)  # stuck in a job's namespace: the host starts a new server
     return pid
 
 
 def _job(msg, fd):
     """The forked child, pid 1 of its namespaces: report to the host, wait to be placed in
-    the job's cgroup, then read the job, build its sandbox and run the job. The job's socket
-    object and its decoded message are made here, not in the server: every object the server
-    makes per job lands on pages it shares with its running jobs, each one copied again after
-    every fork."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except BaseException:
-        os._exit(73)  # never back into the server's loop
+    the job's cgroup, then read the job, build its sandbox and run the job. The job's
+    decoded message is made here, not in the server: every object the server makes per job
+    lands on pages it shares with its running jobs, each one copied again after every fork.
+    The job's socket stays a bare descriptor (os.read and os.write) for the same reason."""
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        sock.sendall(b"r")  # the host reads our pid from the socket's credentials
-        if sock.recv(1) != b"g":
+        _send(fd, b"r")  # the host reads our pid from the socket's credentials
+        if os.read(fd, 1) != b"g":
             os._exit(72)
         job = json.loads(msg)  # the C codec: less work, fewer pages touched
     except BaseException as e:
-        _fatal(sock, f"job failed to start: {type(e).__name__}: {e}")
-        os._exit(73)
-    _job_init(job, sock)
+        _fatal(fd, f"job failed to start: {type(e).__name__}: {e}")
+        os._exit(73)  # never back into the server's loop
+    _job_init(job, fd)
 
 
 def _job_fd(anc):
@@ -370,9 +370,8 @@ def main():
         try:
             pid = _fork_job()
         except Exception as e:
-            sock = socket.socket(fileno=fd)
-            _fatal(sock, f"job was not started: {type(e).__name__}: {e}")
-            sock.close()
+            _fatal(fd, f"job was not started: {type(e).__name__}: {e}")
+            os.close(fd)
             continue
         if pid == 0:
             ctl.close()
