@@ -270,7 +270,8 @@ class CgroupManager:
         taken before a new one is made."""
         idle = self._idle.setdefault((memory_bytes, pids), []) if kind == "ep" else None
         if idle:
-            return idle.pop()
+            with contextlib.suppress(IndexError):  # taken meanwhile by a worker thread's call
+                return idle.pop()
         self._count += 1
         name = f"{kind}-{self._count}"
         dirs: dict[str, Path] = {}
