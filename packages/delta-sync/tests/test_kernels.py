@@ -180,6 +180,31 @@ def test_base_digests_hashed_during_the_scan_equal_a_separate_pass() -> None:
     assert {t.name: t.digest for t in meta.base} == expected
 
 
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.1, 0.6])
+def test_base_digests_fed_part_by_part_equal_a_separate_pass(density) -> None:
+    """Base digests fed during a scan of many parts (or, past the sparse limit, by the
+    dense fallback after a scan that stopped midway) equal xxh3 of each base chunk."""
+    from tandem.delta_sync.delta import _unpack
+    from tandem.delta_sync.tensors import chunk_elems_for, tensor_digest, views_of
+
+    rng = np.random.default_rng(3)
+    base = {"w": rng.integers(0, 2**16, 50_000, dtype=np.uint16).view(ml_dtypes.bfloat16)}
+    new = {"w": base["w"].copy()}
+    new["w"].view(np.uint16)[rng.random(50_000) < density] += np.uint16(1)
+    saved, sparse.SCAN_PART_BYTES = sparse.SCAN_PART_BYTES, 1000
+    try:
+        blob = encode_delta(base, new, chunk_bytes=1 << 16)
+    finally:
+        sparse.SCAN_PART_BYTES = saved
+    meta, _ = _unpack(blob)
+    v = views_of(base)["w"]
+    assert meta.base[0].digest == tensor_digest(v, chunk_elems_for(2, 1 << 16))
+    assert meta.tensors[0].digest == tensor_digest(views_of(new)["w"], chunk_elems_for(2, 1 << 16))
+    target = {"w": base["w"].copy()}
+    apply_delta(target, blob)
+    assert target["w"].tobytes() == new["w"].tobytes()
+
+
 def test_warm_up_readies_the_kernels_a_pull_will_call() -> None:
     """In a fresh process no kernel is ready; after warm_up((4,)) the 4-byte patch kernel is
     (compiled, or loaded from numba's cache), and warm_up checked its own round trips."""

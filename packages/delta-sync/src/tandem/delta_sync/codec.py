@@ -162,6 +162,7 @@ def encode_chunk(
     *,
     advance_base: bool = False,
     hasher: Any = None,
+    base_hasher: Any = None,
 ) -> tuple[EncodedChunk | None, int]:
     """(smallest encoding of chunk `chunk` of `new` against `base`, changed elements).
 
@@ -170,7 +171,8 @@ def encode_chunk(
     (only the changed elements when they are few), so a publisher's copy of the previous
     version becomes the new one without copying the whole model every step. `hasher`, if
     given, is a fresh xxh3 state, fed exactly this chunk of `new` by the time this returns
-    (during the scan when the sparse kernels run).
+    (during the scan when the sparse kernels run); `base_hasher` likewise with the chunk
+    of `base` as it was (not with `advance_base`).
     """
     start = chunk * chunk_elems
     stop = min(start + chunk_elems, new.numel)
@@ -187,13 +189,17 @@ def encode_chunk(
             level,
             advance=advance_base,
             hasher=hasher,
+            base_hasher=base_hasher,
         )
         if k >= 0:
             return enc, k
-        if hasher is not None:
-            hasher.reset()  # fed part of the chunk: start again below
+        for h in (hasher, base_hasher):
+            if h is not None:
+                h.reset()  # fed part of the chunk: start again below
     if hasher is not None:
         hasher.update(np.ascontiguousarray(new.read(start, stop)))
+    if base_hasher is not None:
+        base_hasher.update(np.ascontiguousarray(base.read(start, stop)))
     idx = new.changed(base, start, stop)
     k, n = int(idx.size), stop - start
     if k == 0:

@@ -19,7 +19,6 @@ from tandem.delta_sync.manifest import TensorInfo
 from tandem.delta_sync.parallel import ordered_map
 from tandem.delta_sync.tensors import (
     TensorView,
-    chunk_digest,
     chunk_elems_for,
     combine_digest,
     n_chunks,
@@ -73,8 +72,9 @@ def encode_state(
 
     With `advance_base`, `base` (which the caller must own) is turned into `new` chunk by
     chunk as it is encoded; if encoding fails midway it holds a mix and must be discarded.
-    With `hash_base`, the base's tensor digests are computed too, each chunk just before
-    it is compared (so it is read from memory once for both).
+    With `hash_base`, the base's tensor digests are computed too, each part of a chunk
+    right after it is compared, while it is still in cache (so it is read from memory once
+    for both).
     """
     if hash_base and advance_base:
         raise ValueError("hash_base needs the base as it was: not with advance_base")
@@ -94,10 +94,8 @@ def encode_state(
     def work(task: tuple[str, int, int]) -> tuple[str, int, EncodedChunk | None, int, bytes, bytes]:
         name, c, ce = task
         view = new[name]
-        base_digest = b""
-        if hash_base and base is not None:
-            base_digest = chunk_digest(base[name].read(c * ce, min((c + 1) * ce, view.numel)))
         hasher = xxhash.xxh3_128() if hash_new else None  # fed during the scan, if any
+        base_hasher = xxhash.xxh3_128() if hash_base and base is not None else None
         enc, changed = encode_chunk(
             view,
             None if base is None else base[name],
@@ -106,8 +104,10 @@ def encode_state(
             level,
             advance_base=advance_base,
             hasher=hasher,
+            base_hasher=base_hasher,
         )
         digest = b"" if hasher is None else hasher.digest()  # equals tensors.chunk_digest
+        base_digest = b"" if base_hasher is None else base_hasher.digest()
         return name, c, enc, changed, digest, base_digest
 
     builder = ShardBuilder()

@@ -75,6 +75,7 @@ def encode_sparse_scan(
     *,
     advance: bool = False,
     hasher: Any = None,
+    base_hasher: Any = None,
 ) -> tuple[EncodedChunk | None, int]:
     """(sparse encoding of new against old, changed elements) through the compiled kernels.
 
@@ -86,8 +87,11 @@ def encode_sparse_scan(
     The chunk is scanned in parts of SCAN_PART_BYTES; `hasher` (an xxh3 state), if given,
     is fed each part of `new` right after its scan, while it is still in cache, so the
     chunk's digest costs no second read of it from memory (xxh3 fed part by part equals
-    xxh3 of the whole; only complete when the result is not -1).
+    xxh3 of the whole; only complete when the result is not -1). `base_hasher` is fed
+    each part of `old` the same way (not with `advance`, which changes it).
     """
+    if advance and base_hasher is not None:
+        raise ValueError("base_hasher needs the base as it was: not with advance")
     from tandem.delta_sync import kernels  # numba: imported on first use
 
     limit = sparse_limit(new.size)
@@ -103,6 +107,8 @@ def encode_sparse_scan(
             return None, -1
         if hasher is not None:
             hasher.update(part)
+        if base_hasher is not None:
+            base_hasher.update(old[s : s + step])
     k, ne, gmax = int(state[0]), int(state[1]), int(state[3])
     if k == 0:
         return None, 0
