@@ -90,18 +90,24 @@ def test_sampling_does_not_depend_on_the_batch(chat, tiny_policy, make_engine, h
     assert alone[0].logprobs == together[1].logprobs
 
 
+def _next_version(policy, tmp_path):
+    """Publish ``policy`` as version 0, nudge its weights, publish version 1 and return
+    version 1 prepared for a subscriber at version 0 (the policy keeps the new weights)."""
+    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
+    publisher.publish(0, policy)
+    sub = publisher.subscriber(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    publisher.publish(1, policy)
+    return sub.prepare()
+
+
 def test_weights_swapped_mid_turn_through_delta_sync(
     chat, tiny_policy, make_engine, tmp_path, helpers
 ) -> None:
     engine = make_engine(tiny_policy, max_new_tokens=8)
-    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
-    publisher.publish(0, tiny_policy)
-    sub = publisher.subscriber(0)
-    with torch.no_grad():
-        for p in tiny_policy.parameters():
-            p.add_(torch.randn_like(p) * 1e-2)
-    publisher.publish(1, tiny_policy)
-    prepared = sub.prepare()
+    prepared = _next_version(tiny_policy, tmp_path)
 
     def stage(step: int) -> None:
         if step == 3:
@@ -169,14 +175,7 @@ def test_no_prefix_is_shared_across_weight_versions(
     assert engine.stats.tokens_reused == len(task) - 1  # from the released slot
     assert _same_samples(again, helpers.drive(make_engine(tiny_policy), chat, [(task, [], 32)]))
 
-    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
-    publisher.publish(0, tiny_policy)
-    sub = publisher.subscriber(0)
-    with torch.no_grad():
-        for p in tiny_policy.parameters():
-            p.add_(torch.randn_like(p) * 1e-2)
-    publisher.publish(1, tiny_policy)
-    engine.stage_update(sub.prepare())
+    engine.stage_update(_next_version(tiny_policy, tmp_path))
     engine.apply_pending()
     reused = engine.stats.tokens_reused
     after = helpers.drive(engine, chat, [(task, [], 33)])
