@@ -10,7 +10,7 @@ rollouts of the next step overlap training in lock step, staleness 1).
     uv run python benchmarks/async_vs_sync.py --seconds 300 --max-staleness 2
     uv run python benchmarks/async_vs_sync.py --policy none --synthetic-reward   # no policy needed
 
-Target (issue): async >= 1.8x the trajectories/s of sync at max_staleness <= 2, with no
+Target: async >= 1.8x the trajectories/s of sync at max_staleness <= 2, with no
 lower final reward.
 """
 
