@@ -282,13 +282,9 @@ class InferenceEngine:
             admitted.append(req)
             return True
         donor, count = self.prefixes.match(req.slot, req.to_feed, self.version)
-        ahead = (
-            max(
-                (self.prefixes.shared_run((a.slot, a.to_feed), (req.slot, req.to_feed)))
-                for a in admitted
-            )
-            if admitted
-            else 0
+        pending = (req.slot, req.to_feed)
+        ahead = max(
+            (self.prefixes.shared_run((a.slot, a.to_feed), pending) for a in admitted), default=0
         )
         if ahead - count >= DEFER_MIN_TOKENS:
             return False
