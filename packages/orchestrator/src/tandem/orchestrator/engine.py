@@ -118,7 +118,7 @@ class InferenceEngine:
         self.route_dtype = np.uint8 if mc.num_experts <= 256 else np.int32
         self.prefixes = (
             PrefixIndex(
-                config.max_slots,
+                self.cache.lengths.numpy(),  # shares the cache's memory
                 config.max_len,
                 (mc.num_hidden_layers, mc.num_experts_per_tok),
                 self.route_dtype,

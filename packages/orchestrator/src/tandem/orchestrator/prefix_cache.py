@@ -24,35 +24,39 @@ DEFER_MIN_TOKENS = 32
 
 
 class PrefixIndex:
-    """Which tokens each slot's cache holds, at which version, with their routes."""
+    """Which tokens each slot's cache holds, at which version, with their routes.
+
+    ``lengths`` is the KV cache's own per-slot length (a view that it updates), so the index
+    never keeps a second copy of how much each slot holds.
+    """
 
     def __init__(
         self,
-        max_slots: int,
+        lengths: np.ndarray,
         max_len: int,
         route_shape: tuple[int, ...],
         route_dtype: np.dtype | type = np.int32,
     ) -> None:
+        max_slots = lengths.shape[0]
+        self.lengths = lengths
         self.tokens = np.zeros((max_slots, max_len), dtype=np.int64)
-        self.lengths = np.zeros(max_slots, dtype=np.int64)
         self.versions = np.full(max_slots, -1, dtype=np.int64)  # -1: empty or mixed
         self.routes = np.zeros((max_slots, max_len, *route_shape), dtype=route_dtype)
 
     def reset(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        """``slot`` was emptied (its cache length is 0 again)."""
         self.versions[slot] = -1
 
     def record(self, slot: int, fed: Sequence[int], routes: np.ndarray, version: int) -> None:
-        """``fed`` tokens were appended to ``slot``'s cache by a forward at ``version``."""
-        start = int(self.lengths[slot])
+        """A forward at ``version`` has just appended ``fed`` to ``slot``'s cache."""
+        end = int(self.lengths[slot])
+        start = end - len(fed)
         if start == 0:
             self.versions[slot] = version
         elif self.versions[slot] != version:
             self.versions[slot] = -1
-        end = start + len(fed)
         self.tokens[slot, start:end] = fed
         self.routes[slot, start:end] = routes
-        self.lengths[slot] = end
 
     def match(self, slot: int, feed: Sequence[int], version: int) -> tuple[int, int]:
         """(donor slot, how many leading tokens of ``feed`` it holds) for a turn of ``slot``
@@ -77,15 +81,15 @@ class PrefixIndex:
         return (int(idx[best]), int(run[best])) if run[best] > 0 else (-1, 0)
 
     def take(self, donor: int, slot: int, count: int) -> np.ndarray:
-        """Record ``count`` tokens copied from ``donor`` into ``slot``; returns their routes."""
-        start = int(self.lengths[slot])
-        end = start + count
+        """``slot``'s cache has just been extended by ``count`` rows copied from ``donor``:
+        record their tokens and return their routes."""
+        end = int(self.lengths[slot])
+        start = end - count
         routes = self.routes[donor, start:end].copy()
         self.tokens[slot, start:end] = self.tokens[donor, start:end]
         self.routes[slot, start:end] = routes
         if start == 0:
             self.versions[slot] = self.versions[donor]
-        self.lengths[slot] = end
         return routes
 
     def shared_run(self, a: tuple[int, Sequence[int]], b: tuple[int, Sequence[int]]) -> int:
