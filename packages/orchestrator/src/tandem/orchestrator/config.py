@@ -84,7 +84,11 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class EnvSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Episode settings passed to agent-env, plus how observations are shown to the policy."""
+    """Episode settings passed to agent-env, plus how observations are shown to the policy.
+
+    ``partial_credit``: the reward is the fraction of hidden tests that pass instead of 1
+    only when all do (pass@k still counts only resolved tasks).
+    """
 
     max_turns: int = 6
     system_prompt: str = "Fix the bug with the tools, run the tests, then submit."
@@ -92,6 +96,7 @@ class EnvSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_unsandboxed: bool = False
     grade_timeout_s: float = 60.0
     episode_wall_s: float = 300.0
+    partial_credit: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_turns >= 1, "max_turns", "must be >= 1")

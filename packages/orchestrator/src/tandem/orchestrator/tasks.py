@@ -49,4 +49,5 @@ def env_config(settings: EnvSettings) -> EnvConfig:
         allow_unsandboxed=settings.allow_unsandboxed,
         grade_timeout_s=settings.grade_timeout_s,
         episode_wall_s=settings.episode_wall_s,
+        partial_credit=settings.partial_credit,
     )

@@ -1,0 +1,42 @@
+"""The RL stage's episode settings reach agent-env: a generated task graded in the sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tandem.agent_env import Env, ToolCall
+from tandem.orchestrator.config import EnvSettings, TaskConfig
+from tandem.orchestrator.tasks import TaskSource, env_config
+
+# a task whose hidden tests include pass-to-pass ones, which an unfixed workspace passes
+TASK = TaskSource(TaskConfig(kinds=["off_by_one"], functions=["digit_sum"]), seed=5)[0]
+
+
+def _grade_untouched(settings: EnvSettings) -> tuple[float, bool, dict[str, str]]:
+    """Submit a generated task without fixing it; (reward, resolved, per-test outcomes)."""
+
+    async def go() -> tuple[float, bool, dict[str, str]]:
+        env = Env(TASK, env_config(settings))
+        await env.reset()
+        try:
+            res = await env.step(ToolCall("submit", json.dumps({})))
+        finally:
+            await env.close()
+        assert res.done
+        return float(res.reward), bool(res.info["resolved"]), res.info["tests"]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_partial_credit_setting_grades_the_fraction_of_hidden_tests(partial: bool) -> None:
+    reward, resolved, tests = _grade_untouched(EnvSettings(partial_credit=partial))
+    assert not resolved  # the bug is still there: its fail-to-pass tests fail
+    wanted = [*TASK.hidden_tests.fail_to_pass, *TASK.hidden_tests.pass_to_pass]
+    passed = sum(tests.get(t) == "passed" for t in wanted)
+    assert 0 < passed < len(wanted)  # ...while the pass-to-pass ones pass
+    expected = passed / len(wanted) if partial else 0.0
+    assert reward == pytest.approx(expected)
