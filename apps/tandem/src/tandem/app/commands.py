@@ -35,6 +35,42 @@ def _load(config: PipelineConfig) -> Any:
         return None
 
 
+def _held_out(model: Any, config: PipelineConfig) -> Any:
+    """pass@k of ``model`` on the config's held-out tasks (``eval`` section)."""
+    from tandem.orchestrator.pipeline import evaluate_policy
+
+    return evaluate_policy(
+        model,
+        tasks=config.tasks,
+        env=config.env,
+        engine=config.engine,
+        n_tasks=config.eval.tasks,
+        samples=config.eval.samples,
+        seed=config.run.seed,
+        ks=tuple(config.eval.ks),
+    )
+
+
+def _reinforce(model: Any, config: PipelineConfig, run_dir: Path, **kwargs: Any) -> Any:
+    """The RL stage of ``config`` on ``model`` (in place), logging into ``run_dir``."""
+    from tandem.orchestrator.pipeline import reinforce
+
+    return reinforce(
+        model,
+        tasks=config.tasks,
+        env=config.env,
+        engine=config.engine,
+        trainer=config.trainer,
+        rl=config.rl,
+        run_dir=run_dir,
+        seed=config.run.seed,
+        task_offset=config.midtrain.transcripts,
+        progress=sys.stderr.isatty(),
+        name=config.run.name,
+        **kwargs,
+    )
+
+
 def run_midtrain(config: PipelineConfig, args: argparse.Namespace) -> int:
     from tandem.orchestrator.pipeline import midtrain
 
@@ -53,47 +89,23 @@ def run_midtrain(config: PipelineConfig, args: argparse.Namespace) -> int:
 
 
 def run_eval(config: PipelineConfig, args: argparse.Namespace) -> int:
-    from tandem.orchestrator.pipeline import evaluate_policy
-
     model = _load(config)
     if model is None:
         return 2
-    result = evaluate_policy(
-        model,
-        tasks=config.tasks,
-        env=config.env,
-        engine=config.engine,
-        n_tasks=config.eval.tasks,
-        samples=config.eval.samples,
-        seed=config.run.seed,
-        ks=tuple(config.eval.ks),
-    )
+    result = _held_out(model, config)
     for k, v in sorted(result.pass_at.items()):
         print(f"pass@{k} = {v:.3f}  ({result.tasks} tasks of seed {config.tasks.eval_seed})")
     return 0
 
 
 def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
-    from tandem.orchestrator.pipeline import reinforce
     from tandem.orchestrator.policy import save_policy
 
     model = _load(config)
     if model is None:
         return 2
     rl_dir = config.run_dir / "rl"
-    summary = reinforce(
-        model,
-        tasks=config.tasks,
-        env=config.env,
-        engine=config.engine,
-        trainer=config.trainer,
-        rl=config.rl,
-        run_dir=rl_dir,
-        seed=config.run.seed,
-        task_offset=config.midtrain.transcripts,
-        progress=sys.stderr.isatty(),
-        name=config.run.name,
-    )
+    summary = _reinforce(model, config, rl_dir)
     save_policy(model, config.run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
     _train_report(config, rl_dir, summary)
     print(
@@ -134,7 +146,7 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     import torch
 
     from tandem.app.demo_report import demo_table, print_table, write_demo_report
-    from tandem.orchestrator.pipeline import evaluate_policy, midtrain, reinforce
+    from tandem.orchestrator.pipeline import midtrain
     from tandem.orchestrator.policy import save_policy
 
     t_start = time.perf_counter()
@@ -158,38 +170,14 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     )
     t_mid = time.perf_counter() - t_start
 
-    def held_out() -> Any:
-        return evaluate_policy(
-            model,
-            tasks=config.tasks,
-            env=config.env,
-            engine=config.engine,
-            n_tasks=config.eval.tasks,
-            samples=config.eval.samples,
-            seed=config.run.seed,
-        )
-
     t0 = time.perf_counter()
-    before = held_out()
+    before = _held_out(model, config)
     t_eval = time.perf_counter() - t0
     remaining = demo.time_budget_s - (time.perf_counter() - t_start) - 1.15 * t_eval - 15.0
     log.info("demo.rl_budget", seconds=round(remaining, 1), eval_s=round(t_eval, 1))
-    summary = reinforce(
-        model,
-        tasks=config.tasks,
-        env=config.env,
-        engine=config.engine,
-        trainer=config.trainer,
-        rl=config.rl,
-        run_dir=run_dir / "rl",
-        seed=config.run.seed,
-        task_offset=config.midtrain.transcripts,
-        progress=sys.stderr.isatty(),
-        max_wall_s=max(remaining, 30.0),
-        name=config.run.name,
-    )
+    summary = _reinforce(model, config, run_dir / "rl", max_wall_s=max(remaining, 30.0))
     save_policy(model, run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
-    after = held_out()
+    after = _held_out(model, config)
     wall = time.perf_counter() - t_start
     rows = demo_table(
         config,
