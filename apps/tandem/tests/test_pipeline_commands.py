@@ -35,3 +35,22 @@ def test_eval_without_a_policy_says_what_to_do(tmp_path, capsys) -> None:
     code = main(["eval", "--set", f"run.output_dir={tmp_path}", "--set", "logging.level=error"])
     assert code == 2
     assert "tandem midtrain" in capsys.readouterr().err
+
+
+def test_midtrain_without_usable_transcripts_names_the_keys(tmp_path, capsys) -> None:
+    # one turn is too few for the oracle's read-then-edit transcripts
+    code = main(
+        [
+            "midtrain",
+            "--set", f"run.output_dir={tmp_path}",
+            "--set", "logging.level=error",
+            "--set", "env.max_turns=1",
+            "--set", "midtrain.transcripts=2",
+            "--set", "midtrain.code_bytes=20000",
+            "--set", 'tasks.functions=["gcd"]',
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "midtrain.transcript_fraction" in err and "env.max_turns = 1" in err
+    assert "Traceback" not in err

@@ -135,7 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_config(config), end="")
         return 0
     configure_logging(config.logging.level, config.logging.format)
-    return cmd.run(config, args)
+    from tandem.orchestrator.config import ConfigValueError
+
+    try:
+        return cmd.run(config, args)
+    except ConfigValueError as e:  # a combination of values found unworkable once running
+        print(f"tandem {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import structlog
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.config import (
+    ConfigValueError,
     EngineConfig,
     EnvSettings,
     MidtrainConfig,
@@ -77,7 +78,19 @@ def midtrain(
         max_turns=env.max_turns,
         cache=run_dir / "cache" / "oracle_transcripts.json",
     )
+    n_played = len(transcripts)
     transcripts = [(ids, mask) for ids, mask in transcripts if len(ids) <= engine.max_len]
+    if not transcripts and mid.transcript_fraction > 0:
+        why = (
+            f"none fits the policy's turn budget env.max_turns = {env.max_turns}"
+            if n_played == 0
+            else f"{n_played} fit env.max_turns, none engine.max_len = {engine.max_len} tokens"
+        )
+        raise ConfigValueError(
+            f"midtrain.transcript_fraction: {mid.transcript_fraction} needs oracle transcripts, "
+            f"but of the transcripts of {mid.transcripts} training tasks {why}; raise it, or "
+            "set midtrain.transcript_fraction = 0"
+        )
     if mid.transcript_loss == "all":
         transcripts = [(ids, [1] * len(ids)) for ids, _ in transcripts]
     prep_s = time.perf_counter() - t0
