@@ -81,6 +81,9 @@ from tandem.orchestrator.weights import (
 
 log = structlog.get_logger()
 
+NO_SIGNAL_REPORT_EVERY = 32
+"""Equal-reward groups in a row between two `rl.no_signal` warnings."""
+
 StepCallback = Callable[[int, dict[str, Any]], Any]
 """Called with (step, metrics) after each step; a returned awaitable is awaited before the
 next step."""
@@ -193,6 +196,7 @@ class RLRun:
         )
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from_step=self.step)
         self.filtered = 0
+        self._uninformative_run: list[float] = []  # rewards of the equal-reward groups in a row
         self.started = 0
         self.trajectories = 0
         self.busy_s = self.wait_s = 0.0
@@ -304,8 +308,25 @@ class RLRun:
 
     # -- training ----------------------------------------------------------------------------
     def _informative(self, group: Group[Sample]) -> bool:
+        """Whether a group's rewards differ (GRPO signal); if not it is counted, and a long run
+        of such groups is reported with what the rewards were."""
         rewards = {s.reward for s in group.samples}
-        return len(rewards) > 1
+        if len(rewards) > 1:
+            self._uninformative_run.clear()
+            return True
+        self.filtered += 1
+        run = self._uninformative_run
+        run.append(rewards.pop())
+        if len(run) % NO_SIGNAL_REPORT_EVERY == 0:
+            log.warning(
+                "rl.no_signal",
+                groups_in_a_row=len(run),
+                all_rewarded=sum(r > 0 for r in run),
+                all_unrewarded=sum(r <= 0 for r in run),
+                hint="every sample of these groups got the same reward, so no step can start: "
+                "tasks too hard (or too easy) for this policy, or rl.group_size too small",
+            )
+        return False
 
     async def _take_groups(self) -> list[Group[Sample]]:
         if self.rl.mode == "sync":
@@ -317,8 +338,6 @@ class RLRun:
             for g in await self.buffer.take(1, self.trainer.policy_version):
                 if self._informative(g):
                     groups.append(g)
-                else:
-                    self.filtered += 1
         return groups
 
     async def _play_step(self) -> list[Group[Sample]]:
@@ -330,13 +349,7 @@ class RLRun:
             indices = list(range(self.cursor, self.cursor + need))
             self.cursor += need
             played = await asyncio.gather(*(self._play_sync(i) for i in indices))
-            for g in played:
-                if g is None:
-                    continue
-                if self._informative(g):
-                    groups.append(g)
-                else:
-                    self.filtered += 1
+            groups += [g for g in played if g is not None and self._informative(g)]
         return groups
 
     async def _take_pipelined(self) -> list[Group[Sample]]:
