@@ -71,11 +71,11 @@ def _reinforce(model: Any, config: PipelineConfig, run_dir: Path, **kwargs: Any)
     )
 
 
-def run_midtrain(config: PipelineConfig, args: argparse.Namespace) -> int:
+def _midtrain(config: PipelineConfig, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """Stage 1 of ``config``: (the mid-trained model, its figures), saved in the run dir."""
     from tandem.orchestrator.pipeline import midtrain
 
-    config.run_dir.mkdir(parents=True, exist_ok=True)
-    _, info = midtrain(
+    return midtrain(
         model_cfg=config.model,
         mid=config.midtrain,
         tasks=config.tasks,
@@ -83,7 +83,13 @@ def run_midtrain(config: PipelineConfig, args: argparse.Namespace) -> int:
         engine=config.engine,
         run_dir=config.run_dir,
         seed=config.run.seed,
+        **kwargs,
     )
+
+
+def run_midtrain(config: PipelineConfig, args: argparse.Namespace) -> int:
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    _, info = _midtrain(config)
     print(f"mid-trained policy saved to {config.run_dir / 'midtrained'} ({info['steps']} steps)")
     return 0
 
@@ -146,7 +152,6 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     import torch
 
     from tandem.app.demo_report import demo_table, print_table, write_demo_report
-    from tandem.orchestrator.pipeline import midtrain
     from tandem.orchestrator.policy import save_policy
 
     t_start = time.perf_counter()
@@ -158,16 +163,7 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     demo = config.demo
     log.info("demo.start", run_dir=str(run_dir), budget_s=demo.time_budget_s)
 
-    model, mid_info = midtrain(
-        model_cfg=config.model,
-        mid=config.midtrain,
-        tasks=config.tasks,
-        env=config.env,
-        engine=config.engine,
-        run_dir=run_dir,
-        seed=config.run.seed,
-        deadline=t_start + demo.midtrain_budget_s,
-    )
+    model, mid_info = _midtrain(config, deadline=t_start + demo.midtrain_budget_s)
     t_mid = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
