@@ -196,7 +196,7 @@ class RLRun:
         )
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_from_step=self.step)
         self.filtered = 0
-        self._uninformative_run: list[float] = []  # rewards of the equal-reward groups in a row
+        self._no_signal_run = [0, 0]  # equal-reward groups in a row: all rewarded, all not
         self.started = 0
         self.trajectories = 0
         self.busy_s = self.wait_s = 0.0
@@ -311,19 +311,19 @@ class RLRun:
         """Whether a group's rewards differ (GRPO signal); if not it is counted, and a long run
         of such groups is reported with what the rewards were."""
         rewards = {s.reward for s in group.samples}
+        run = self._no_signal_run  # [all rewarded, all unrewarded] groups in a row
         if len(rewards) > 1:
-            self._uninformative_run.clear()
+            run[:] = [0, 0]
             return True
         self.filtered += 1
-        run = self._uninformative_run
-        run.append(rewards.pop())
-        if len(run) % NO_SIGNAL_REPORT_EVERY == 0:
+        run[0 if rewards.pop() > 0 else 1] += 1
+        if sum(run) % NO_SIGNAL_REPORT_EVERY == 0:
             log.warning(
                 "rl.no_signal",
-                groups_in_a_row=len(run),
-                all_rewarded=sum(r > 0 for r in run),
-                all_unrewarded=sum(r <= 0 for r in run),
-                hint="every sample of these groups got the same reward, so no step can start: "
+                groups_in_a_row=sum(run),
+                all_rewarded=run[0],
+                all_unrewarded=run[1],
+                hint="every sample of these groups got the same reward, so the trainer waits for others: "
                 "tasks too hard (or too easy) for this policy, or rl.group_size too small",
             )
         return False
