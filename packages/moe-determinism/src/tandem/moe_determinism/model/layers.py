@@ -111,15 +111,16 @@ class Attention(nn.Module):
             kc[slot_of, :, layout.positions] = k.to(kc.dtype)
             vc[slot_of, :, layout.positions] = v.to(vc.dtype)
             kv_len = layout.offsets + layout.counts
-            tk = int(kv_len.max())
+            kv_slots = None
             if is_batch_invariant():
-                # Whole KV splits straight from the cache: keys past a row's length are
-                # masked either way, and the split kernel then needs no padded copy.
-                split = cfg.kv_split_size
-                tk = min(-(-tk // split) * split, kc.shape[2])
-            keys, values = kc[layout.slots, :, :tk], vc[layout.slots, :, :tk]
+                # The split kernel reads whole KV splits of the batch's slots straight from
+                # the cache (keys past a row's length are masked either way): no copy.
+                keys, values, kv_slots = kc, vc, layout.slots
+            else:
+                tk = int(kv_len.max())
+                keys, values = kc[layout.slots, :, :tk], vc[layout.slots, :, :tk]
         else:
-            kv_len = layout.counts
+            kv_len, kv_slots = layout.counts, None
             keys = x.new_zeros(s, t, hkv, d)
             values = x.new_zeros(s, t, hkv, d)
             keys[layout.seq_of, layout.index] = k
@@ -135,6 +136,7 @@ class Attention(nn.Module):
                 kv_split_size=cfg.kv_split_size,
                 q_positions=q_pos,
                 kv_lengths=kv_len,
+                kv_slots=kv_slots,
             )
         else:
             group = h // hkv

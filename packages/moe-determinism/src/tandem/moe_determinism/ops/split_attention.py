@@ -35,14 +35,28 @@ KV_SPLIT_SIZE = 64
 """Default keys per split."""
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_slots: torch.Tensor | None
+) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise MoEDeterminismError(
             "attention expects q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D]; got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     b, hq, _, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+    rows = b
+    if kv_slots is not None:
+        if kv_slots.shape != (b,):
+            raise MoEDeterminismError(
+                f"attention: kv_slots must be [B] = {(b,)}, got {tuple(kv_slots.shape)}"
+            )
+        rows = k.shape[0]  # a slot cache: batch row i reads slot kv_slots[i]
+    if (
+        k.shape[0] != rows
+        or v.shape[0] != rows
+        or k.shape[1] != v.shape[1]
+        or k.shape[2] != v.shape[2]
+    ):
         raise MoEDeterminismError(
             f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must share batch, heads "
             f"and length with each other and batch with q {tuple(q.shape)}"
@@ -99,22 +113,37 @@ def attention(
     q_positions: torch.Tensor | None = None,
     kv_lengths: torch.Tensor | None = None,
     scale: float | None = None,
+    kv_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, invariant per query. Returns [B, Hq, Tq, D].
 
     q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] (Hq a multiple of Hkv: grouped-query attention).
     q_positions [B, Tq]: each query's position on the key axis (default: the last Tq keys).
     kv_lengths [B]: valid keys per batch row (default Tk); keys beyond are ignored.
+    kv_slots [B]: k and v are a KV cache [slots, Hkv, max_len, D] and batch row i reads slot
+    ``kv_slots[i]`` (``kv_lengths`` required). The CPU path then reads the key splits it needs
+    straight from the cache instead of a copy of every row's keys; the result is the same.
     """
-    _check_shapes(q, k, v)
+    _check_shapes(q, k, v, kv_slots)
     if kv_split_size <= 0:
         raise MoEDeterminismError(f"kv_split_size must be positive, got {kv_split_size}")
+    if kv_slots is not None:
+        if kv_lengths is None:
+            raise MoEDeterminismError("attention: kv_slots needs kv_lengths")
+        # the keys any row may see, in whole splits: what a copy of the rows would hold
+        tk = min(-(-int(kv_lengths.max()) // kv_split_size) * kv_split_size, k.shape[2])
+        if q.is_cuda or k.shape[2] % kv_split_size:
+            k, v, kv_slots = k[kv_slots, :, :tk], v[kv_slots, :, :tk], None
     q_positions, kv_lengths = _default_positions(q, k, q_positions, kv_lengths)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.is_cuda:
         from tandem.moe_determinism.kernels.dispatch import cuda_attention
 
         return cuda_attention(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
+    if kv_slots is not None:
+        return _attention_cpu(
+            q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk
+        )
     return _attention_cpu(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
 
 
@@ -197,6 +226,8 @@ def _attention_cpu(
     q_positions: torch.Tensor,
     kv_lengths: torch.Tensor,
     scale: float,
+    kv_slots: torch.Tensor | None = None,
+    cache_keys: int = 0,
 ) -> torch.Tensor:
     """Split attention on the CPU, computing only the (query block, KV split) pairs in which
     some row sees some key.
@@ -212,9 +243,15 @@ def _attention_cpu(
     each GEMM is done on the real rows only: row-wise operations give a row the same bits
     whichever other rows they run with, and the second GEMM gets its padding rows back as
     zeros, keeping its fixed shape.
+
+    With ``kv_slots`` (k and v a slot cache whose length is a whole number of splits), the
+    key and value splits are gathered from the cache rows of the batch's slots, as if the
+    first ``cache_keys`` keys of those rows had been copied out first: the same blocks, the
+    same grid, the same bits, one copy fewer.
     """
     b, hq, tq, d = q.shape
-    hkv, tk, dv = k.shape[1], k.shape[2], v.shape[3]
+    hkv, dv = k.shape[1], v.shape[3]
+    tk = k.shape[2] if kv_slots is None else cache_keys
     group = hq // hkv
     acc_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     rows = group * tq
@@ -234,13 +271,17 @@ def _attention_cpu(
     sp_of = pair % n_sp
     block_of = pair // n_sp  # flat (b, hkv, row block)
     head_of = block_of // n_rb  # flat (b, hkv)
-    kv_block_of = head_of * n_sp + sp_of  # flat (b, hkv, split)
+    if kv_slots is None:
+        kv_block_of = head_of * n_sp + sp_of  # flat (b, hkv, split)
+    else:  # the same split of the cache row: flat (slot, hkv, split of the whole cache)
+        cache_head = kv_slots.to(dev)[head_of // hkv] * hkv + head_of % hkv
+        kv_block_of = cache_head * (k.shape[2] // split) + sp_of
     row_limit = limit.view(b, 1, n_rb, Q_BLOCK).expand(b, hkv, n_rb, Q_BLOCK)
     row_limit = row_limit.reshape(-1, Q_BLOCK)[:, :live].index_select(0, block_of)
 
     # Query rows of one KV head: (head in group, query) flattened, zero-padded to whole blocks.
     qr = F.pad(q.reshape(b, hkv, rows, d), (0, 0, 0, rows_p - rows)).reshape(-1, Q_BLOCK, d)
-    if keys_p > tk:
+    if keys_p > tk and kv_slots is None:
         k, v = F.pad(k, (0, 0, 0, keys_p - tk)), F.pad(v, (0, 0, 0, keys_p - tk))
     kp, vp = k.reshape(-1, split, d), v.reshape(-1, split, dv)
     q_blk = _GatherBlocks.apply(qr, block_of)

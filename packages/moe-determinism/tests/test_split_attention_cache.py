@@ -1,0 +1,59 @@
+"""Split attention reading a slot KV cache in place (``kv_slots``) gives the bits of the same
+attention over a copy of the batch's rows, decoding and prefilling, whether or not the cache
+length is a whole number of splits (when it is not, the op copies the rows itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.moe_determinism import MoEDeterminismError, ops
+
+
+def _case(seed: int, max_len: int, tq: int, split: int):
+    g = torch.Generator().manual_seed(seed)
+    slots_total, hkv, hq, d = 9, 2, 4, 8
+    kc = torch.randn(slots_total, hkv, max_len, d, generator=g)
+    vc = torch.randn(slots_total, hkv, max_len, d, generator=g)
+    slots = torch.tensor([7, 2, 5, 0])
+    lengths = torch.randint(tq, max_len + 1, (4,), generator=g)
+    lengths[1] = max_len  # one row fills its slot
+    q = torch.randn(4, hq, tq, d, generator=g)
+    q_pos = lengths[:, None] - tq + torch.arange(tq)[None, :]
+    return kc, vc, slots, lengths, q, q_pos, split
+
+
+@pytest.mark.parametrize(("max_len", "tq"), [(256, 1), (256, 37), (200, 1), (200, 21)])
+def test_reading_the_cache_in_place_equals_attention_over_copied_rows(max_len: int, tq: int):
+    kc, vc, slots, lengths, q, q_pos, split = _case(max_len + tq, max_len, tq, 32)
+    tk = min(-(-int(lengths.max()) // split) * split, max_len)
+    copied = ops.attention(
+        q,
+        kc[slots, :, :tk],
+        vc[slots, :, :tk],
+        kv_split_size=split,
+        q_positions=q_pos,
+        kv_lengths=lengths,
+    )
+    in_place = ops.attention(
+        q, kc, vc, kv_split_size=split, q_positions=q_pos, kv_lengths=lengths, kv_slots=slots
+    )
+    assert torch.equal(in_place, copied)
+    # and the rows are right, not merely equal: a float64 softmax attention per row
+    group = q.shape[1] // kc.shape[1]
+    for i, slot in enumerate(slots.tolist()):
+        n = int(lengths[i])
+        k = kc[slot, :, :n].double().repeat_interleave(group, 0)
+        v = vc[slot, :, :n].double().repeat_interleave(group, 0)
+        s = q[i].double() @ k.transpose(1, 2) / q.shape[-1] ** 0.5
+        s = s.masked_fill(torch.arange(n)[None, None, :] > q_pos[i][None, :, None], float("-inf"))
+        ref = torch.softmax(s, -1) @ v
+        torch.testing.assert_close(in_place[i].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_reads_need_lengths_and_one_slot_per_row() -> None:
+    kc, vc, slots, lengths, q, q_pos, split = _case(0, 128, 1, 32)
+    with pytest.raises(MoEDeterminismError, match="kv_slots needs kv_lengths"):
+        ops.attention(q, kc, vc, kv_split_size=split, kv_slots=slots)
+    with pytest.raises(MoEDeterminismError, match="kv_slots must be"):
+        ops.attention(q, kc, vc, kv_split_size=split, kv_lengths=lengths, kv_slots=slots[:2])
