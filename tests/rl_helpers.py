@@ -65,6 +65,7 @@ def tiny_run(
     env: EnvSettings = ENV,
     check_rows: int = 0,
     processes: int = 1,
+    tasks: TaskSource | None = None,
 ) -> RLRun:
     return RLRun(
         build_model(TINY, ByteTokenizer()),
@@ -72,7 +73,7 @@ def tiny_run(
         trainer=TrainerConfig(lr=1e-2, routing_check_rows=check_rows, processes=processes),
         engine=ENGINE,
         env=env,
-        tasks=TaskSource(TaskConfig(), 1),
+        tasks=tasks or TaskSource(TaskConfig(), 1),
         run_dir=tmp_path,
         hooks=hooks,
     )

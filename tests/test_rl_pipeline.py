@@ -29,9 +29,10 @@ from rl_helpers import ENGINE, TINY, WeightRecorder, parity, tiny_run
 from tandem.delta_sync import LocalStore, StoreError
 from tandem.orchestrator import rl as rl_module
 from tandem.orchestrator import rollouts as rollouts_module
-from tandem.orchestrator.config import EnvSettings, RLConfig
+from tandem.orchestrator.config import CurriculumConfig, EnvSettings, RLConfig, TaskConfig
 from tandem.orchestrator.metrics import read_metrics
 from tandem.orchestrator.rl import RunHooks
+from tandem.orchestrator.tasks import TaskSource
 
 
 def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
@@ -337,3 +338,34 @@ def test_a_long_run_of_equal_reward_groups_is_reported(tmp_path: Path, monkeypat
     assert warnings[0]["groups_in_a_row"] == every
     assert warnings[0]["all_rewarded"] == every and warnings[0]["all_unrewarded"] == 0
     assert len(warnings) == summary.filtered_equal // every  # one per full run of `every`
+
+
+def test_the_curriculum_passes_over_tasks_of_a_category_without_signal(tmp_path: Path) -> None:
+    """Tasks of one function always get reward 1 (no GRPO signal); once its last group says
+    so, the cursor passes over most of its tasks, and only over those; the passes are counted
+    in the metrics and the run still makes its steps."""
+    source = TaskSource(TaskConfig(functions=["gcd", "digit_sum"]), 1)
+    function = {t.id: t.metadata["function"] for t in source.take(0, 300)}
+    played: list[str] = []
+
+    def reward(sample) -> float:  # called for a group's samples in turn: 1, 0, 1 elsewhere
+        played.append(sample.task_id)
+        return 1.0 if function[sample.task_id] == "gcd" else float(len(played) % 2)
+
+    rl = RLConfig(
+        mode="sync",
+        steps=3,
+        group_size=3,
+        groups_per_step=2,
+        checkpoint_every=9,
+        curriculum=CurriculumConfig(enabled=True, keys=["function"], window=1, keep=0.2),
+    )
+    run = tiny_run(tmp_path, rl, RunHooks(reward=reward), tasks=source)
+    summary = run.run()
+    assert summary.steps_done == 3
+    passed = [t.id for t in source.take(0, run.cursor) if t.id not in set(played)]
+    assert passed and len(passed) == run.curriculum.skipped
+    assert {function[i] for i in passed} == {"gcd"}
+    gcd_played = {i for i in played if function[i] == "gcd"}
+    assert len(gcd_played) < len(passed)  # most of that function's tasks were passed over
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["tasks_skipped"] == len(passed)

@@ -83,8 +83,9 @@ def demo_table(
             ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())) or "n/a",
         ),
         (
-            "dropped stale groups / filtered equal-reward groups",
-            f"{summary.dropped_stale} / {summary.filtered_equal}",
+            "dropped stale groups / filtered equal-reward groups / tasks passed over",
+            f"{summary.dropped_stale} / {summary.filtered_equal} / "
+            f"{summary.last_metrics.get('tasks_skipped', 0)}",
         ),
         (
             "weights synced per step (mean)",

@@ -226,6 +226,27 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.poll_s > 0, "poll_s", "must be > 0")
 
 
+class CurriculumConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Passing over tasks of categories that give GRPO no signal (see `SaturationFilter`).
+
+    A task's category is the values of its ``keys`` metadata fields (generated tasks carry
+    ``function``, ``bug_kind`` and ``mutation``). A category is saturated when its last
+    ``window`` groups each had one reward for every sample (all solved or all failed); only a
+    ``keep`` fraction of its tasks is then played, so it is still watched as the policy
+    changes. Off by default: every task at the cursor is played.
+    """
+
+    enabled: bool = False
+    keys: list[str] = msgspec.field(default_factory=lambda: ["function", "bug_kind"])
+    window: int = 3
+    keep: float = 0.2
+
+    def __post_init__(self) -> None:
+        _require(len(self.keys) >= 1, "keys", "must name at least one metadata field")
+        _require(self.window >= 1, "window", "must be >= 1")
+        _require(0 < self.keep <= 1, "keep", "must be in (0, 1] (0 would never look again)")
+
+
 class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The asynchronous (or synchronous) GRPO stage.
 
@@ -239,6 +260,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     flight at once. ``max_ahead``: how many trainer steps rollouts may start ahead
     (0: max_staleness + 1, the bound that keeps drops rare). ``backend``: where the engines
     run, ``local`` (one in this process) or ``ray`` (rollout actors, see `RayConfig`).
+    ``curriculum``: which tasks at the cursor are played (`CurriculumConfig`).
     """
 
     mode: Literal["async", "sync", "pipelined"] = "async"
@@ -257,6 +279,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eval_tasks: int = 32
     eval_samples: int = 1
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    curriculum: CurriculumConfig = msgspec.field(default_factory=CurriculumConfig)
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", "must be >= 1")

@@ -59,6 +59,7 @@ from tandem.orchestrator.config import (
     RLConfig,
     TrainerConfig,
 )
+from tandem.orchestrator.curriculum import SaturationFilter
 from tandem.orchestrator.episode import Sample
 from tandem.orchestrator.metrics import MetricsLog
 from tandem.orchestrator.rollouts import (
@@ -147,11 +148,13 @@ class RLRun:
             temperature=self.engine_cfg.temperature,
         )
         self.step, self.cursor, self.stream = 0, 0, 0
+        self.curriculum = SaturationFilter(self.rl.curriculum, self.seed)
         if self.checkpoints.latest_step() is not None:
             meta = self.checkpoints.load(model=self.policy, optimizer=self.trainer.grpo.optimizer)
             self.step, self.cursor = meta.step, meta.task_cursor
             self.trainer.policy_version = meta.policy_version
             self.stream = int(meta.extra.get("stream", 0)) + 1
+            self.curriculum.load(meta.extra.get("curriculum", {}))
             log.info(
                 "rl.resumed", step=self.step, policy_version=meta.policy_version, stream=self.stream
             )
@@ -206,6 +209,7 @@ class RLRun:
         self._publish_failed = asyncio.Event()
         self._next: asyncio.Task[list[Group[Sample]]] | None = None  # pipelined: next step's
         self._next_cursor = 0  # ... groups, and the task cursor they started from
+        self._next_curriculum: dict[str, Any] = {}  # ... and the curriculum then
         self.episodes_cut = 0
 
     def _fetch_policy(self) -> None:
@@ -254,11 +258,7 @@ class RLRun:
             ):
                 await asyncio.sleep(0.01)
             self.started += 1
-            if self._requeued:
-                index = self._requeued.pop(0)
-            else:
-                index = self.cursor
-                self.cursor += 1
+            index = self._requeued.pop(0) if self._requeued else self._next_task_index()
             try:
                 group = await self._play_group(
                     index, self.trainer.policy_version - self.rl.max_staleness
@@ -272,7 +272,16 @@ class RLRun:
             if group is None:
                 self.started -= 1
                 continue
+            self.curriculum.record(self.tasks[index], [s.reward for s in group.samples])
             await self.buffer.put(group)
+
+    def _next_task_index(self) -> int:
+        """The next task at the cursor that the curriculum plays (the cursor passes the rest)."""
+        while True:
+            index = self.cursor
+            self.cursor += 1
+            if self.curriculum.admits(index, self.tasks[index]):
+                return index
 
     def _retired(self) -> int:
         return self.buffer.stats.taken + self.buffer.stats.dropped_stale
@@ -346,9 +355,11 @@ class RLRun:
         groups: list[Group[Sample]] = []
         while len(groups) < self.rl.groups_per_step:
             need = self.rl.groups_per_step - len(groups)
-            indices = list(range(self.cursor, self.cursor + need))
-            self.cursor += need
+            indices = [self._next_task_index() for _ in range(need)]
             played = await asyncio.gather(*(self._play_sync(i) for i in indices))
+            for index, group in zip(indices, played, strict=True):  # recorded in task order
+                if group is not None:
+                    self.curriculum.record(self.tasks[index], [s.reward for s in group.samples])
             groups += [g for g in played if g is not None and self._informative(g)]
         return groups
 
@@ -356,14 +367,14 @@ class RLRun:
         """This step's groups (played during the last step's training), then the engines move
         to the trainer's version and start the next step's groups while this one trains."""
         if self._next is None:
-            self._next_cursor = self.cursor
+            self._next_cursor, self._next_curriculum = self.cursor, self.curriculum.state()
             self._next = asyncio.create_task(self._play_step())
         groups = await self._next
         self._next = None
         await self._publish_pending()  # no group on a version that is not out
         await self.rollouts.sync_to(self.trainer.policy_version)
         if self.step + 1 < self.rl.steps:
-            self._next_cursor = self.cursor
+            self._next_cursor, self._next_curriculum = self.cursor, self.curriculum.state()
             self._next = asyncio.create_task(self._play_step())
         return groups
 
@@ -405,7 +416,12 @@ class RLRun:
             policy_version=self.trainer.policy_version,
             # pipelined: the next step's groups in flight are played again after a resume
             task_cursor=self._next_cursor if self._next is not None else self.cursor,
-            extra={"stream": self.stream},
+            extra={
+                "stream": self.stream,
+                "curriculum": (
+                    self._next_curriculum if self._next is not None else self.curriculum.state()
+                ),
+            },
         )
 
     async def _run(self) -> RunSummary:
@@ -465,6 +481,7 @@ class RLRun:
                     self.buffer.stats,
                     {
                         "groups_filtered_equal": self.filtered,
+                        "tasks_skipped": self.curriculum.skipped,
                         "trajectories": self.trajectories,
                         "publish_failures": self.publisher.failures,
                         "episodes_cut": self.episodes_cut,

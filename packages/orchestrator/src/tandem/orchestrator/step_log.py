@@ -26,6 +26,7 @@ def log_step(step: int, stats: dict[str, Any]) -> None:
         staleness=stats.get("staleness_histogram"),
         dropped=stats.get("dropped_stale"),
         filtered=stats.get("groups_filtered_equal"),
+        skipped=stats.get("tasks_skipped"),
         sync_kb=round(stats["sync_bytes"] / 1024, 1) if stats.get("sync_bytes") else None,
         train_s=r("train_s", 2),
         wait_s=r("wait_s", 2),

@@ -1,0 +1,70 @@
+"""Passing over tasks whose category gives GRPO no signal.
+
+A group whose samples all get the same reward (every one solved, or none) adds nothing to a
+GRPO step: its advantages are all zero. A small policy can be all-or-nothing on whole
+categories of tasks (a bug kind in one function it never fixes, another it always fixes),
+and then most rollouts are spent on groups the trainer throws away. `SaturationFilter`
+remembers, per category, whether its recent groups had a signal, and lets the cursor pass
+over most tasks of a category whose last few groups had none, so the rollouts go to tasks
+that can teach. A saturated category is never shut out: a ``keep`` fraction of its tasks is
+still played, so one that becomes learnable as the policy changes is seen again.
+
+Which tasks are kept depends only on the run's seed, the task's index and the groups seen
+so far (a hash, not a shared random stream), and the history is part of the checkpoint, so
+a resumed sync or pipelined run makes the choices the uninterrupted one made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.agent_env import Task
+from tandem.orchestrator.config import CurriculumConfig
+
+
+class SaturationFilter:
+    """Per task category, whether each of its recent groups had a reward signal."""
+
+    def __init__(self, config: CurriculumConfig, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        self.history: dict[str, list[bool]] = {}
+        self.skipped = 0
+
+    def category(self, task: Task) -> str:
+        """The values of the configured metadata fields (``?`` where a task has none)."""
+        return "/".join(task.metadata.get(k, "?") for k in self.config.keys)
+
+    def record(self, task: Task, rewards: Sequence[float]) -> None:
+        """One finished group of ``task``: informative when its rewards differ."""
+        if not self.config.enabled:
+            return
+        seen = self.history.setdefault(self.category(task), [])
+        seen.append(len(set(rewards)) > 1)
+        del seen[: -self.config.window]
+
+    def saturated(self, category: str) -> bool:
+        """Whether the category's last ``window`` groups all had one reward each."""
+        seen = self.history.get(category, [])
+        return len(seen) >= self.config.window and not any(seen)
+
+    def admits(self, index: int, task: Task) -> bool:
+        """Whether task ``index`` is played; a pass-over is counted in ``skipped``."""
+        if not self.config.enabled or not self.saturated(self.category(task)):
+            return True
+        digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=8).digest()
+        if int.from_bytes(digest, "little") / 2**64 < self.config.keep:
+            return True
+        self.skipped += 1
+        return False
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (JSON-able)."""
+        return {"history": {k: list(v) for k, v in self.history.items()}, "skipped": self.skipped}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore a `state` from a checkpoint (an empty one for checkpoints made without)."""
+        self.history = {str(k): [bool(x) for x in v] for k, v in state.get("history", {}).items()}
+        self.skipped = int(state.get("skipped", 0))
