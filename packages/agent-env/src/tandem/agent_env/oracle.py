@@ -1,15 +1,16 @@
 """Scripted policies: the oracle (applies the reference fix through the tools) and a
 submit-at-once baseline. Both are ordinary async policies ``messages -> ToolCall``.
 
-The oracle is stateless: it finds its task from the instruction in the conversation and its
-position from the number of tool calls so far, so one instance serves any number of
-concurrent episodes. Its transcripts are worked examples for mid-training.
+The oracle is stateless: it finds its position from the number of tool calls so far, and its
+task from the episode (`run_episodes` binds it with ``for_task``) or, called on a bare
+conversation, from the instruction, so one instance serves any number of concurrent episodes.
+Its transcripts are worked examples for mid-training.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from tandem.agent_env.errors import SandboxError
@@ -50,17 +51,46 @@ def oracle_script(task: Task) -> list[ToolCall]:
 
 
 class OraclePolicy:
-    """Applies each task's reference fix through the tools, then runs the tests and submits."""
+    """Applies each task's reference fix through the tools, then runs the tests and submits.
+
+    Generated tasks of a narrow family can share an instruction (the same function, bug kind
+    and failing example, with another mutation behind it), so the instruction alone cannot
+    say which fix to apply: `run_episodes` binds the policy to each episode's task through
+    `for_task`. Called on a conversation directly, it looks the instruction up and refuses one
+    that several of its tasks share.
+    """
 
     def __init__(self, tasks: Iterable[Task]) -> None:
         self._scripts: dict[str, list[ToolCall]] = {}
-        self._tasks = {t.instruction: t for t in tasks}
+        self._tasks: dict[str, list[Task]] = {}
+        for t in tasks:
+            self._tasks.setdefault(t.instruction, []).append(t)
+
+    def for_task(self, task: Task) -> Callable[[list[dict[str, Any]]], Awaitable[ToolCall]]:
+        """This policy for one episode of ``task``."""
+
+        async def policy(messages: list[dict[str, Any]]) -> ToolCall:
+            return self._next_call(task, messages)
+
+        return policy
 
     async def __call__(self, messages: list[dict[str, Any]]) -> ToolCall:
+        return self._next_call(self.task_of(messages), messages)
+
+    def task_of(self, messages: list[dict[str, Any]]) -> Task:
+        """The task whose instruction opens this conversation (it must be the only one)."""
         instruction = next((m["content"] for m in messages if m.get("role") == "user"), None)
-        task = self._tasks.get(instruction or "")
-        if task is None:
+        tasks = self._tasks.get(instruction or "", [])
+        if not tasks:
             raise SandboxError("OraclePolicy was not given the task of this conversation")
+        if len(tasks) > 1:
+            raise SandboxError(
+                f"tasks {[t.id for t in tasks]} share this instruction; bind the oracle to the "
+                "episode's task with OraclePolicy.for_task (run_episodes does)"
+            )
+        return tasks[0]
+
+    def _next_call(self, task: Task, messages: list[dict[str, Any]]) -> ToolCall:
         script = self._scripts.get(task.id)
         if script is None:
             script = self._scripts[task.id] = oracle_script(task)

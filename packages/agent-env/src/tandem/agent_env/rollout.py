@@ -37,7 +37,14 @@ async def run_episode(
     policy: Policy, task: Task, config: EnvConfig, runtime: Runtime
 ) -> Trajectory:
     """One episode to the end. Failures of the sandbox or of the policy mark the trajectory as
-    an infrastructure fault (reward None) instead of raising."""
+    an infrastructure fault (reward None) instead of raising.
+
+    A policy with a ``for_task(task)`` method (a scripted one, such as `OraclePolicy`, that
+    must know its task even when another task has the same instruction) is asked for the
+    episode's policy first."""
+    bind = getattr(policy, "for_task", None)
+    if bind is not None:
+        policy = bind(task)
     env = Env(task, config, runtime=runtime)
     try:
         try:

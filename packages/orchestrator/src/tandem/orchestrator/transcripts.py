@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +120,26 @@ class MinimalEditOracle:
 
     def __init__(self, tasks: Sequence[Task], min_chars: int = 10) -> None:
         self.oracle = OraclePolicy(tasks)
-        self.files = {t.instruction: t.files for t in tasks}
         self.min_chars = min_chars
 
+    def for_task(self, task: Task) -> Callable[[list[dict[str, Any]]], Awaitable[ToolCall]]:
+        """This policy for one episode of ``task`` (`run_episodes` binds it; tasks of a narrow
+        family can share an instruction)."""
+        oracle = self.oracle.for_task(task)
+
+        async def policy(messages: list[dict[str, Any]]) -> ToolCall:
+            return self._narrow(await oracle(messages), task)
+
+        return policy
+
     async def __call__(self, messages: list[dict[str, Any]]) -> ToolCall:
-        call = await self.oracle(messages)
+        return await self.for_task(self.oracle.task_of(messages))(messages)
+
+    def _narrow(self, call: ToolCall, task: Task) -> ToolCall:
         if call.name != "edit":
             return call
         args = json.loads(call.arguments)
-        instruction = next(m["content"] for m in messages if m.get("role") == "user")
-        text = self.files.get(instruction, {}).get(args["path"])
+        text = task.files.get(args["path"])
         if text is None:
             return call
         args["old_string"], args["new_string"] = minimal_edit(
