@@ -100,6 +100,34 @@ def test_oracle_and_submit_on_many_generated_tasks(config: EnvConfig) -> None:
     assert _rewards(submit_at_once, tasks, config) == [0.0] * len(tasks)
 
 
+def test_narrow_family_files_parse_and_the_oracle_tells_tasks_with_one_instruction_apart(
+    config: EnvConfig,
+) -> None:
+    """A one-function repository of a narrow family: its visible tests still form a valid
+    module, and tasks that share an instruction (same function, kind and failing example,
+    another mutation) each get their own fix from the oracle under `run_episodes`."""
+    tasks = generate_tasks(
+        1,
+        120,
+        kinds=("wrong_operator", "off_by_one", "swapped_arguments"),
+        functions_per_repo=1,
+        hidden_per_function=6,
+        functions=["gcd", "digit_sum", "fizzbuzz", "is_palindrome"],
+        modules=["toolbelt"],
+    )
+    for t in tasks:
+        for path, text in t.files.items():
+            ast.parse(text, filename=f"{t.id}:{path}")  # raises on an unparsable file
+    shared = [i for i, n in Counter(t.instruction for t in tasks).items() if n > 1]
+    assert shared, "no two tasks share an instruction: the case below is not exercised"
+    ambiguous = [t for t in tasks if t.instruction == shared[0]]
+    assert len({t.reference_edits for t in ambiguous}) > 1  # different fixes behind one text
+    assert _rewards(OraclePolicy(tasks), tasks, config) == [1.0] * len(tasks)
+    messages = [{"role": "user", "content": shared[0]}]
+    with pytest.raises(SandboxError, match="share this instruction"):
+        asyncio.run(OraclePolicy(tasks)(messages))
+
+
 def test_task_family_can_be_narrowed_to_functions_and_modules() -> None:
     funcs = ["gcd", "fizzbuzz", "digit_sum"]
     tasks = generate_tasks(6, 24, functions=funcs, modules=["toolbelt"], functions_per_repo=2)

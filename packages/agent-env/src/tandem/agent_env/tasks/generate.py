@@ -192,10 +192,15 @@ def _assemble(
             else:
                 hidden.append(method)
                 p2p_ids.append(f"tests.test_hidden.HiddenTests.test_{t.name}_{i}")
-    for args, expected in p2p[max(2, hidden_per_function - len(f2p)) :][:2]:
+    # Tests of the buggy function that pass before the fix: the ones the hidden set left
+    # over, else one it holds too (a repository alone with its buggy function still has one).
+    shown = p2p[max(2, hidden_per_function - len(f2p)) :][:2] or p2p[-1:]
+    for args, expected in shown:
         visible.append(_test_method(target.name, case, args, expected))
         vis_ids.append(f"tests.test_{module}.Test{module.capitalize()}.test_{target.name}_{case}")
         case += 1
+    if not vis_ids:  # every input shows the bug: a test class with no test, still valid Python
+        visible.append("    pass\n")
     visible_path = f"tests/test_{module}.py"
     args, expected, got = example
     instruction = (
