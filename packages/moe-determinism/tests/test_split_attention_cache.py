@@ -52,7 +52,7 @@ def test_reading_the_cache_in_place_equals_attention_over_copied_rows(max_len: i
 
 
 def test_cache_reads_need_lengths_and_one_slot_per_row() -> None:
-    kc, vc, slots, lengths, q, q_pos, split = _case(0, 128, 1, 32)
+    kc, vc, slots, lengths, q, _, split = _case(0, 128, 1, 32)
     with pytest.raises(MoEDeterminismError, match="kv_slots needs kv_lengths"):
         ops.attention(q, kc, vc, kv_split_size=split, kv_slots=slots)
     with pytest.raises(MoEDeterminismError, match="kv_slots must be"):
