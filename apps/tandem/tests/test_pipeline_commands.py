@@ -54,3 +54,29 @@ def test_midtrain_without_usable_transcripts_names_the_keys(tmp_path, capsys) ->
     assert code == 2, err
     assert "midtrain.transcript_fraction" in err and "env.max_turns = 1" in err
     assert "Traceback" not in err
+
+
+def test_eval_prints_pass_at_1_per_task_category(tmp_path, capsys) -> None:
+    from tandem.orchestrator.config import ModelConfig
+    from tandem.orchestrator.policy import build_model, save_policy
+    from tandem.orchestrator.tokenizer import ByteTokenizer
+
+    tiny = ModelConfig(hidden_size=32, num_hidden_layers=1, head_dim=8, moe_intermediate_size=32)
+    save_policy(build_model(tiny, ByteTokenizer()), tmp_path / "policy", stage="test")
+    code = main(
+        [
+            "eval",
+            "--set", f"policy={tmp_path / 'policy'}",
+            "--set", "logging.level=error",
+            "--set", 'tasks.functions=["gcd"]',
+            "--set", "eval.tasks=3",
+            "--set", "eval.samples=1",
+            "--set", "engine.max_new_tokens=4",
+            "--set", "env.max_turns=1",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "pass@1 = " in out and "(3 tasks of seed" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  gcd/")]
+    assert rows and sum(int(r[-2].lstrip("(")) for r in rows) == 3

@@ -101,6 +101,9 @@ def run_eval(config: PipelineConfig, args: argparse.Namespace) -> int:
     result = _held_out(model, config)
     for k, v in sorted(result.pass_at.items()):
         print(f"pass@{k} = {v:.3f}  ({result.tasks} tasks of seed {config.tasks.eval_seed})")
+    width = max((len(c) for c in result.by_category), default=0)
+    for category, score in result.by_category.items():
+        print(f"  {category:<{width}}  pass@1 = {score.pass_at_1:.3f}  ({score.tasks} tasks)")
     return 0
 
 
@@ -151,7 +154,7 @@ def _train_report(config: PipelineConfig, rl_dir: Path, summary: Any) -> None:
 def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.app.demo_report import demo_table, print_table, write_demo_report
+    from tandem.app.demo_report import category_rows, demo_table, print_table, write_demo_report
     from tandem.orchestrator.policy import save_policy
 
     t_start = time.perf_counter()
@@ -188,7 +191,8 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
             "total": wall,
         },
     )
-    print_table(rows)
-    report = write_demo_report(config, rows, dump_config(config))
+    categories = category_rows(before, after)
+    print_table(rows, categories)
+    report = write_demo_report(config, rows, dump_config(config), categories)
     print(f"report: {report}")
     return 0

@@ -1,4 +1,5 @@
-"""The demo's closing table (before/after, agreement, sync figures) and its report files."""
+"""The demo's closing tables (before/after, agreement, sync figures; pass@1 per task category)
+and its report files."""
 
 from __future__ import annotations
 
@@ -108,20 +109,60 @@ def demo_table(
     ]
 
 
-def print_table(rows: list[tuple[str, str]]) -> None:
+CATEGORY_COLUMNS = ("category", "tasks", "mid-trained", "RL-trained", "change (points)")
+
+
+def category_rows(before: Any, after: Any) -> list[tuple[str, ...]]:
+    """Held-out pass@1 per task category (function/bug kind), before and after RL: where the
+    change came from, and whether RL traded one category for another."""
+    from tandem.orchestrator.report import fmt
+
+    rows = []
+    for name in sorted(set(before.by_category) | set(after.by_category)):
+        b, a = before.by_category.get(name), after.by_category.get(name)
+        change = "n/a" if b is None or a is None else f"{100 * (a.pass_at_1 - b.pass_at_1):+.1f}"
+        rows.append(
+            (
+                name,
+                str((b or a).tasks),
+                fmt(b.pass_at_1 if b else None, ".2f"),
+                fmt(a.pass_at_1 if a else None, ".2f"),
+                change,
+            )
+        )
+    return rows
+
+
+def category_markdown(rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(CATEGORY_COLUMNS) + " |", "|" + "---|" * len(CATEGORY_COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def print_table(rows: list[tuple[str, str]], categories: list[tuple[str, ...]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console()
     table = Table(title="tandem demo: mid-training, then asynchronous GRPO")
     table.add_column("metric")
     table.add_column("value")
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    console.print(table)
+    if categories:
+        by_category = Table(title="held-out pass@1 per task category (function/bug kind)")
+        for column in CATEGORY_COLUMNS:
+            by_category.add_column(column, justify="left" if column == "category" else "right")
+        for row in categories:
+            by_category.add_row(*row)
+        console.print(by_category)
 
 
 def write_demo_report(
-    config: PipelineConfig, rows: list[tuple[str, str]], config_toml: str
+    config: PipelineConfig,
+    rows: list[tuple[str, str]],
+    config_toml: str,
+    categories: list[tuple[str, ...]] | None = None,
 ) -> Path:
     from tandem.orchestrator.report import plot_rewards, write_report
 
@@ -136,11 +177,16 @@ def write_demo_report(
         title="tandem demo report",
         rows=rows,
         sections={
+            **(
+                {"Held-out pass@1 per task category": category_markdown(categories)}
+                if categories
+                else {}
+            ),
             "Artefacts": (
                 "- `midtrained/`, `rl_trained/`: policies in the Hugging Face Qwen3-MoE layout\n"
                 "- `midtrain_metrics.jsonl`, `rl/metrics.jsonl`: per-step metrics\n"
                 "- `rl/checkpoints/`: resumable checkpoints; `rl/weights/`: the delta-sync streams"
-            )
+            ),
         },
         config_toml=config_toml,
         image=image.name,

@@ -22,6 +22,7 @@ from typing import Any
 
 from tandem.agent_env import Task
 from tandem.orchestrator.config import CurriculumConfig
+from tandem.orchestrator.tasks import task_category
 
 
 class SaturationFilter:
@@ -35,7 +36,7 @@ class SaturationFilter:
 
     def category(self, task: Task) -> str:
         """The values of the configured metadata fields (``?`` where a task has none)."""
-        return "/".join(task.metadata.get(k, "?") for k in self.config.keys)
+        return task_category(task, self.config.keys)
 
     def record(self, task: Task, rewards: Sequence[float]) -> None:
         """One finished group of ``task``: informative when its rewards differ."""

@@ -2,6 +2,10 @@
 
 pass@k uses the unbiased estimator of Chen et al. (2021): with n samples of a task of which
 c pass, pass@k = 1 - C(n - c, k) / C(n, k), averaged over tasks.
+
+pass@1 is also broken down by task category (function and bug kind of a generated task): a
+small policy can be all-or-nothing per category, and an overall figure hides an RL run that
+trades one category for another.
 """
 
 from __future__ import annotations
@@ -17,8 +21,16 @@ from tandem.agent_env import EnvConfig, Task
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.episode import Sample, episode_generator, run_episode
 from tandem.orchestrator.server import EngineServer
+from tandem.orchestrator.tasks import task_category
 
 log = structlog.get_logger()
+
+
+class CategoryScore(msgspec.Struct, frozen=True):
+    """pass@1 over the tasks of one category."""
+
+    tasks: int
+    pass_at_1: float
 
 
 class EvalResult(msgspec.Struct, frozen=True):
@@ -29,6 +41,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     format_error_rate: float
     mean_turns: float
     infra_faults: int
+    by_category: dict[str, CategoryScore] = {}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,7 +53,31 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def summarize(per_task: Sequence[Sequence[Sample]], ks: Sequence[int]) -> EvalResult:
+def _solved_fraction(samples: Sequence[Sample]) -> float:
+    return sum(s.resolved for s in samples) / max(len(samples), 1)
+
+
+def by_category(
+    per_task: Sequence[Sequence[Sample]], categories: Sequence[str]
+) -> dict[str, CategoryScore]:
+    """pass@1 per category (``categories[i]`` is task i's), categories in sorted order."""
+    if len(categories) != len(per_task):
+        raise ValueError(f"{len(categories)} categories for {len(per_task)} tasks")
+    scores: dict[str, list[float]] = {}
+    for category, samples in zip(categories, per_task, strict=True):
+        scores.setdefault(category, []).append(_solved_fraction(samples))
+    return {
+        c: CategoryScore(tasks=len(v), pass_at_1=sum(v) / len(v)) for c, v in sorted(scores.items())
+    }
+
+
+def summarize(
+    per_task: Sequence[Sequence[Sample]],
+    ks: Sequence[int],
+    categories: Sequence[str] | None = None,
+) -> EvalResult:
+    """Scores of ``per_task`` (samples of each task); ``categories``: each task's category,
+    for the per-category breakdown."""
     n = len(per_task[0]) if per_task else 0
     flat = [s for t in per_task for s in t]
     turns = sum(s.turns for s in flat)
@@ -57,6 +94,7 @@ def summarize(per_task: Sequence[Sequence[Sample]], ks: Sequence[int]) -> EvalRe
         format_error_rate=sum(s.format_errors for s in flat) / max(turns, 1),
         mean_turns=turns / max(len(flat), 1),
         infra_faults=sum(s.infra_fault for s in flat),
+        by_category={} if categories is None else by_category(per_task, categories),
     )
 
 
@@ -99,4 +137,4 @@ async def evaluate(
     per_task = [
         list(flat[i * samples_per_task : (i + 1) * samples_per_task]) for i in range(len(tasks))
     ]
-    return summarize(per_task, ks), per_task
+    return summarize(per_task, ks, [task_category(t) for t in tasks]), per_task

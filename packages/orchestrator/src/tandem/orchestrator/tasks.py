@@ -6,6 +6,7 @@ says which tasks a run has used; training and held-out sets are different seeds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from tandem.agent_env import EnvConfig, Task, generate_tasks
@@ -39,6 +40,16 @@ class TaskSource:
 
     def take(self, start: int, n: int) -> list[Task]:
         return [self[i] for i in range(start, start + n)]
+
+
+CATEGORY_KEYS = ("function", "bug_kind")
+"""The metadata fields that name a generated task's category (its function and bug kind)."""
+
+
+def task_category(task: Task, keys: Sequence[str] = CATEGORY_KEYS) -> str:
+    """The values of the metadata fields ``keys``, joined by ``/`` (``?`` where a task has
+    none): a category that scores and the curriculum break results down by."""
+    return "/".join(task.metadata.get(k, "?") for k in keys)
 
 
 def env_config(settings: EnvSettings) -> EnvConfig:

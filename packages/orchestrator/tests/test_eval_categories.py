@@ -1,0 +1,65 @@
+"""pass@1 per task category: the breakdown agrees with a count by hand and with the total."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.agent_env import generate_tasks
+from tandem.orchestrator.episode import Sample
+from tandem.orchestrator.evaluate import by_category, summarize
+from tandem.orchestrator.tasks import task_category
+
+
+def _sample(resolved: bool) -> Sample:
+    return Sample(
+        task_id="t",
+        tokens=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.1, -0.2],
+        versions=[-1, 0, 0],
+        routes=np.zeros((2, 1, 1), dtype=np.uint8),
+        reward=float(resolved),
+        resolved=resolved,
+        turns=1,
+        termination="test",
+        min_version=0,
+        max_version=0,
+    )
+
+
+def test_category_scores_match_a_count_by_hand() -> None:
+    solved = [[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    per_task = [[_sample(bool(x)) for x in row] for row in solved]
+    categories = [
+        "gcd/off_by_one",
+        "gcd/swapped",
+        "fizzbuzz/off_by_one",
+        "gcd/off_by_one",
+        "gcd/swapped",
+    ]
+
+    result = summarize(per_task, (1,), categories)
+
+    # gcd/off_by_one: tasks 0 and 3 -> (2/4 + 1/4) / 2; gcd/swapped: tasks 1 and 4 -> (1 + 0) / 2
+    assert list(result.by_category) == ["fizzbuzz/off_by_one", "gcd/off_by_one", "gcd/swapped"]
+    assert result.by_category["gcd/off_by_one"].tasks == 2
+    assert result.by_category["gcd/off_by_one"].pass_at_1 == pytest.approx(0.375)
+    assert result.by_category["gcd/swapped"].pass_at_1 == pytest.approx(0.5)
+    assert result.by_category["fizzbuzz/off_by_one"].pass_at_1 == 0.0
+    # weighted by task count, the categories give back the overall pass@1
+    total = sum(c.tasks * c.pass_at_1 for c in result.by_category.values()) / len(per_task)
+    assert total == pytest.approx(result.pass_at[1])
+    assert summarize(per_task, (1,)).by_category == {}
+
+
+def test_category_count_must_match_the_tasks() -> None:
+    with pytest.raises(ValueError, match="2 categories for 3 tasks"):
+        by_category([[_sample(True)]] * 3, ["a", "b"])
+
+
+def test_task_category_reads_function_and_bug_kind() -> None:
+    tasks = generate_tasks(5, 6, functions_per_repo=1, functions=["gcd"])
+    for t in tasks:
+        assert task_category(t) == f"gcd/{t.metadata['bug_kind']}"
+    assert task_category(tasks[0], ("function", "no_such_field")) == "gcd/?"

@@ -1,0 +1,59 @@
+"""Held-out evaluation end to end (engine, sandbox, grading) and its per-category table."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from rl_helpers import ENGINE, ENV, TINY
+
+from tandem.app.demo_report import category_markdown, category_rows
+from tandem.orchestrator.config import TaskConfig
+from tandem.orchestrator.evaluate import CategoryScore, EvalResult
+from tandem.orchestrator.pipeline import evaluate_policy
+from tandem.orchestrator.policy import build_model
+from tandem.orchestrator.tasks import TaskSource
+from tandem.orchestrator.tokenizer import ByteTokenizer
+
+
+def test_evaluation_breaks_pass_at_1_down_by_the_tasks_categories() -> None:
+    tasks = TaskConfig(functions=["gcd", "digit_sum"], functions_per_repo=1, eval_seed=77)
+    result = evaluate_policy(
+        build_model(TINY, ByteTokenizer()),
+        tasks=tasks,
+        env=ENV,
+        engine=ENGINE,
+        n_tasks=6,
+        samples=2,
+        seed=0,
+    )
+    held_out = TaskSource(tasks, tasks.eval_seed).take(0, 6)
+    expected = Counter(f"{t.metadata['function']}/{t.metadata['bug_kind']}" for t in held_out)
+    assert {c: s.tasks for c, s in result.by_category.items()} == dict(expected)
+    total = sum(s.tasks * s.pass_at_1 for s in result.by_category.values()) / 6
+    assert total == pytest.approx(result.pass_at[1])
+
+
+def _result(scores: dict[str, tuple[int, float]]) -> EvalResult:
+    return EvalResult(
+        tasks=sum(n for n, _ in scores.values()),
+        samples_per_task=4,
+        pass_at={1: 0.0},
+        mean_reward=0.0,
+        format_error_rate=0.0,
+        mean_turns=2.0,
+        infra_faults=0,
+        by_category={c: CategoryScore(n, p) for c, (n, p) in scores.items()},
+    )
+
+
+def test_demo_category_table_gives_the_change_per_category() -> None:
+    before = _result({"gcd/off_by_one": (3, 0.25), "gcd/swapped_arguments": (2, 1.0)})
+    after = _result({"gcd/off_by_one": (3, 0.75), "gcd/swapped_arguments": (2, 0.5)})
+    rows = category_rows(before, after)
+    assert rows == [
+        ("gcd/off_by_one", "3", "0.25", "0.75", "+50.0"),
+        ("gcd/swapped_arguments", "2", "1.00", "0.50", "-50.0"),
+    ]
+    lines = category_markdown(rows).splitlines()
+    assert len(lines) == 4 and lines[2] == "| gcd/off_by_one | 3 | 0.25 | 0.75 | +50.0 |"
