@@ -7,11 +7,12 @@ from collections import Counter
 import pytest
 from rl_helpers import ENGINE, ENV, TINY
 
-from tandem.app.demo_report import category_markdown, category_rows
+from tandem.app.demo_report import CATEGORY_COLUMNS, category_rows
 from tandem.orchestrator.config import TaskConfig
 from tandem.orchestrator.evaluate import CategoryScore, EvalResult
 from tandem.orchestrator.pipeline import evaluate_policy
 from tandem.orchestrator.policy import build_model
+from tandem.orchestrator.report import markdown_table
 from tandem.orchestrator.tasks import TaskSource
 from tandem.orchestrator.tokenizer import ByteTokenizer
 
@@ -55,5 +56,10 @@ def test_demo_category_table_gives_the_change_per_category() -> None:
         ("gcd/off_by_one", "3", "0.25", "0.75", "+50.0"),
         ("gcd/swapped_arguments", "2", "1.00", "0.50", "-50.0"),
     ]
-    lines = category_markdown(rows).splitlines()
-    assert len(lines) == 4 and lines[2] == "| gcd/off_by_one | 3 | 0.25 | 0.75 | +50.0 |"
+    lines = markdown_table(rows, CATEGORY_COLUMNS).splitlines()
+    assert len(lines) == 4
+    assert lines[0].split("|")[1:-1] == [
+        f" {c:<21} " if i == 0 else f" {c} " for i, c in enumerate(CATEGORY_COLUMNS)
+    ]
+    assert lines[1].count("|") == len(CATEGORY_COLUMNS) + 1
+    assert lines[2] == "| gcd/off_by_one        | 3 | 0.25 | 0.75 | +50.0 |"

@@ -133,11 +133,6 @@ def category_rows(before: Any, after: Any) -> list[tuple[str, ...]]:
     return rows
 
 
-def category_markdown(rows: list[tuple[str, ...]]) -> str:
-    lines = ["| " + " | ".join(CATEGORY_COLUMNS) + " |", "|" + "---|" * len(CATEGORY_COLUMNS)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def print_table(rows: list[tuple[str, str]], categories: list[tuple[str, ...]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -164,7 +159,7 @@ def write_demo_report(
     config_toml: str,
     categories: list[tuple[str, ...]] | None = None,
 ) -> Path:
-    from tandem.orchestrator.report import plot_rewards, write_report
+    from tandem.orchestrator.report import markdown_table, plot_rewards, write_report
 
     run_dir = config.run_dir
     before = float(rows[1][1]) if rows[1][1] != "n/a" else None
@@ -178,7 +173,7 @@ def write_demo_report(
         rows=rows,
         sections={
             **(
-                {"Held-out pass@1 per task category": category_markdown(categories)}
+                {"Held-out pass@1 per task category": markdown_table(categories, CATEGORY_COLUMNS)}
                 if categories
                 else {}
             ),

@@ -53,10 +53,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _solved_fraction(samples: Sequence[Sample]) -> float:
-    return sum(s.resolved for s in samples) / max(len(samples), 1)
-
-
 def by_category(
     per_task: Sequence[Sequence[Sample]], categories: Sequence[str]
 ) -> dict[str, CategoryScore]:
@@ -65,7 +61,8 @@ def by_category(
         raise ValueError(f"{len(categories)} categories for {len(per_task)} tasks")
     scores: dict[str, list[float]] = {}
     for category, samples in zip(categories, per_task, strict=True):
-        scores.setdefault(category, []).append(_solved_fraction(samples))
+        solved = sum(s.resolved for s in samples)
+        scores.setdefault(category, []).append(pass_at_k(len(samples), solved, 1))
     return {
         c: CategoryScore(tasks=len(v), pass_at_1=sum(v) / len(v)) for c, v in sorted(scores.items())
     }

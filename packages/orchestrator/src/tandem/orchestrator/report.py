@@ -58,11 +58,17 @@ def plot_rewards(
     return out
 
 
-def markdown_table(rows: Sequence[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
-    return "\n".join(lines)
+def markdown_table(
+    rows: Sequence[Sequence[str]], header: Sequence[str] = ("metric", "value")
+) -> str:
+    """A markdown table; the first column is padded to one width so the source reads too."""
+    width = max(len(r[0]) for r in [header, *rows])
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join([f"{cells[0]:<{width}}", *cells[1:]]) + " |"
+
+    rule = f"|{'-' * (width + 2)}|" + "".join(f"{'-' * (len(h) + 2)}|" for h in header[1:])
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
 def write_report(

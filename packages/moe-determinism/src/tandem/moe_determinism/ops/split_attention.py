@@ -127,6 +127,7 @@ def attention(
     _check_shapes(q, k, v, kv_slots)
     if kv_split_size <= 0:
         raise MoEDeterminismError(f"kv_split_size must be positive, got {kv_split_size}")
+    tk = 0  # with kv_slots: the cache keys the rows read
     if kv_slots is not None:
         if kv_lengths is None:
             raise MoEDeterminismError("attention: kv_slots needs kv_lengths")
@@ -140,11 +141,9 @@ def attention(
         from tandem.moe_determinism.kernels.dispatch import cuda_attention
 
         return cuda_attention(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
-    if kv_slots is not None:
-        return _attention_cpu(
-            q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk
-        )
-    return _attention_cpu(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
+    return _attention_cpu(
+        q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk
+    )
 
 
 def _visible_prefix(
