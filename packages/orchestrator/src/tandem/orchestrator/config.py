@@ -162,7 +162,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     would, so the same config gives the same weights on both backends. ``parallel``: how
     the ranks hold the model: ``ddp`` (each a whole copy, gradients all-reduced) or
     ``fsdp`` (torch's `fully_shard`: parameters, gradients and optimizer state sharded
-    along dim 0, each rank publishing its own shards).
+    along dim 0, each rank publishing its own shards). ``share_prefixes``: feed each group's
+    common prefix (the prompt, and any first turn all its rollouts agree on) once per
+    micro-batch instead of once per rollout; the log-probs are the same bits.
     """
 
     lr: float = 3e-4
@@ -172,6 +174,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     routing_check_rows: int = 4
     processes: int = 1
     parallel: Literal["ddp", "fsdp"] = "fsdp"
+    share_prefixes: bool = True
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from tandem.moe_determinism import (
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.engine import sampling_logits
 from tandem.orchestrator.episode import Sample
+from tandem.orchestrator.prefix_scoring import score_shared
 from tandem.orchestrator.sharding import shard_model
 
 
@@ -116,13 +117,17 @@ def score(
 class _ReplayForward:
     """The GRPO forward hook; keeps the detached log-probs it computed for the mismatch check."""
 
-    def __init__(self, replay: str, temperature: float) -> None:
+    def __init__(self, replay: str, temperature: float, share_prefixes: bool = True) -> None:
         self.replay = replay
         self.temperature = temperature
+        self.share_prefixes = share_prefixes
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
-        lp, _, _ = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
+        if self.share_prefixes:
+            lp = score_shared(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
+        else:
+            lp, _, _ = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
         self.captured.append((micro.extras["row"], lp.detach()))
         return ForwardOutput(lp)
 
@@ -159,7 +164,7 @@ class RLTrainer:
             micro_batch_size=loss.micro_batch_size,
             max_grad_norm=loss.max_grad_norm,
         )
-        self.hook = _ReplayForward(config.replay, temperature)
+        self.hook = _ReplayForward(config.replay, temperature, config.share_prefixes)
         self.rank, self.world = rank, world
         self.fsdp = config.parallel == "fsdp"
         # experts that none of a rank's tokens reach get no gradient on that rank

@@ -38,6 +38,7 @@ class TokenLayout:
     positions: torch.Tensor
     cache: KVCache | None = None
     slots: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -120,11 +121,14 @@ class Attention(nn.Module):
                 tk = int(kv_len.max())
                 keys, values = kc[layout.slots, :, :tk], vc[layout.slots, :, :tk]
         else:
-            kv_len, kv_slots = layout.counts, None
-            keys = x.new_zeros(s, t, hkv, d)
-            values = x.new_zeros(s, t, hkv, d)
-            keys[layout.seq_of, layout.index] = k
-            values[layout.seq_of, layout.index] = v
+            kv_len, kv_slots = layout.offsets + layout.counts, None
+            span = int(kv_len.max()) if s else 0
+            keys = x.new_zeros(s, span, hkv, d)
+            values = x.new_zeros(s, span, hkv, d)
+            keys[layout.seq_of, layout.positions] = k
+            values[layout.seq_of, layout.positions] = v
+            if layout.parents is not None:
+                keys, values = _with_parent_keys(keys, values, layout)
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         qp = qp.transpose(1, 2)
         if is_batch_invariant():
@@ -140,7 +144,7 @@ class Attention(nn.Module):
             )
         else:
             group = h // hkv
-            if layout.cache is None:
+            if layout.cache is None and layout.parents is None:
                 # Without a cache every sequence starts at position 0, so the causal mask
                 # alone hides the padding keys from every real query (padded query rows are
                 # dropped below); the fused causal kernel also skips the masked blocks.
@@ -159,6 +163,20 @@ class Attention(nn.Module):
             )
         out = out.transpose(1, 2)[layout.seq_of, layout.index]  # [N, H, D]
         return self.o_proj(out.reshape(n, h * d))
+
+
+def _with_parent_keys(
+    keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys/values [S, L, Hkv, D] holding each sequence's own tokens at their positions; fills
+    positions below each sequence's offset from its parent (a gather, so gradients flow back
+    to the parent's keys and values, summed over its children)."""
+    assert layout.parents is not None
+    s, span = keys.shape[:2]
+    pos = torch.arange(span, device=keys.device)
+    src = torch.arange(s, device=keys.device)[:, None].expand(s, span)
+    src = torch.where(pos[None, :] < layout.offsets[:, None], layout.parents[:, None], src)
+    return keys[src, pos[None, :]], values[src, pos[None, :]]
 
 
 class SwiGLU(nn.Module):

@@ -88,6 +88,7 @@ class MoETransformer(nn.Module):
         cu_seqlens: torch.Tensor | None,
         cache: KVCache | None,
         slots: torch.Tensor | None,
+        parents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, TokenLayout, tuple[torch.Tensor, torch.Tensor] | None]:
         dev = input_ids.device
         if cu_seqlens is not None:
@@ -138,6 +139,9 @@ class MoETransformer(nn.Module):
                 )
             cache.check_room(slots, counts.cpu())
             offsets = cache.lengths[slots].to(dev)
+        elif parents is not None:
+            parents = self._check_parents(parents, counts)
+            offsets = torch.where(parents >= 0, counts[parents.clamp_min(0)], 0)
         else:
             offsets = torch.zeros_like(counts)
         layout = TokenLayout(
@@ -148,8 +152,25 @@ class MoETransformer(nn.Module):
             positions=offsets[seq_of] + index,
             cache=cache,
             slots=slots,
+            parents=parents,
         )
         return tokens, layout, scatter
+
+    @staticmethod
+    def _check_parents(parents: torch.Tensor | list[int], counts: torch.Tensor) -> torch.Tensor:
+        p = torch.as_tensor(parents, dtype=torch.long, device=counts.device)
+        s = counts.numel()
+        if p.shape != (s,) or bool(((p < -1) | (p >= s)).any()):
+            raise MoEDeterminismError(f"parents must be [S]={s} sequence indices or -1")
+        has = p >= 0
+        if bool((p[has] == torch.arange(s, device=p.device)[has]).any()) or bool(
+            (p[p[has]] >= 0).any()
+        ):
+            raise MoEDeterminismError(
+                "parents: a sequence cannot be its own parent, and a parent has no parent "
+                f"(one level of sharing); got {p.tolist()}"
+            )
+        return p
 
     # ---- forward ----------------------------------------------------------------------
     def forward(
@@ -161,9 +182,18 @@ class MoETransformer(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | list[int] | None = None,
         routing: RouterReplay | None = None,
+        parents: torch.Tensor | list[int] | None = None,
     ) -> MoEOutput:
+        """``parents`` (no cache): sequence s continues sequence ``parents[s]`` (-1: none);
+        its tokens follow all of the parent's, which it attends to. A group of rollouts that
+        share a prompt is scored as the prompt once plus each rollout's own tokens, with the
+        same per-token results as scoring each whole rollout (under `batch_invariant()`)."""
         cfg = self.config
-        tokens, layout, scatter = self._layout(input_ids, lengths, cu_seqlens, cache, slots)
+        if parents is not None and cache is not None:
+            raise MoEDeterminismError("parents and a KV cache cannot be combined")
+        tokens, layout, scatter = self._layout(
+            input_ids, lengths, cu_seqlens, cache, slots, parents
+        )
         if routing is not None:
             routing.bind(
                 layout.counts.tolist(),
