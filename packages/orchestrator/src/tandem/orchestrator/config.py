@@ -165,6 +165,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     along dim 0, each rank publishing its own shards). ``share_prefixes``: feed each group's
     common prefix (the prompt, and any first turn all its rollouts agree on) once per
     micro-batch instead of once per rollout; the log-probs are the same bits.
+    ``updates_per_step``: optimizer updates on each step's batch (PPO epochs). The first is
+    taken from the rollout policy; the others reuse the batch with the first pass's
+    log-probs as the clipped ratio's old policy. The policy version still advances by one
+    per step (one published version), so staleness keeps its meaning.
     """
 
     lr: float = 3e-4
@@ -175,11 +179,13 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     processes: int = 1
     parallel: Literal["ddp", "fsdp"] = "fsdp"
     share_prefixes: bool = True
+    updates_per_step: int = 1
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", "must be > 0")
         _require(self.processes >= 1, "processes", "must be >= 1")
+        _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
         _require(len(self.betas) == 2, "betas", "must be two numbers")
 
 

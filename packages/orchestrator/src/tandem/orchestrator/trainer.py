@@ -213,11 +213,35 @@ class RLTrainer:
             # one process stands in for `processes` ranks: the same sum, the same bits
             shards = self.config.processes if self.world == 1 else 1
             metrics: dict[str, Any] = dict(self.grpo.step(batch, shards=shards))
+            if self.config.updates_per_step > 1 and metrics["step_applied"]:
+                metrics.update(self._more_updates(batch, shards))
         metrics.update(checks)
         metrics.update(self._mismatch(batch, same))
         return {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in metrics.items()
+        }
+
+    def _more_updates(self, batch: RolloutBatch, shards: int) -> dict[str, Any]:
+        """Updates 2.. of a step on the same batch, the first pass's log-probs as the old
+        policy; the version advances once for the step. The first pass's capture is kept
+        for the mismatch check (it alone scored with the rollout's weights)."""
+        first = list(self.hook.captured)
+        old = torch.zeros_like(batch.rollout_logprobs)
+        for rows, lp in first:
+            old[rows] = lp
+        batch.old_logprobs = old
+        version = self.policy_version
+        for _ in range(self.config.updates_per_step - 1):
+            self.hook.captured.clear()
+            last = self.grpo.step(batch, shards=shards)
+        self.policy_version = version
+        self.hook.captured[:] = first
+        batch.old_logprobs = None
+        return {
+            "updates": self.config.updates_per_step,
+            "clip_frac_last_update": last.get("clip_frac", 0.0),
+            "ratio_mean_last_update": last.get("ratio_mean", 1.0),
         }
 
     def _mismatch(self, batch: RolloutBatch, same: torch.Tensor) -> dict[str, Any]:
