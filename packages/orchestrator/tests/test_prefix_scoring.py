@@ -86,6 +86,14 @@ def test_step_with_shared_prefixes_matches_step_without(
         metrics = trainer.step(groups)
         assert metrics["step_applied"] == 1.0
         assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_tokens"] > 0
+        batch = collate(groups[:1])  # a group of one has no signal: the trainer skips it
+        fed = int((batch.attention_mask.sum(1) - 1).sum())
+        shared = SharedLayout(batch, match_routes=True).shared_tokens if share else 0
+        assert shared > 0 or not share
+        assert (metrics["trainer_tokens_fed"], metrics["trainer_tokens_shared"]) == (
+            fed - shared,
+            shared,
+        )
         state = trainer.optimizer.state
         moments.append({n: state[p]["exp_avg"].clone() for n, p in model.named_parameters()})
     for name, shared in moments[0].items():

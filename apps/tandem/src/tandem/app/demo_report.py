@@ -43,6 +43,8 @@ def demo_table(
         dense = summary.publish_bytes[0] * summary.ratios[0]
     roll = _values(records, "rollout_tokens_per_s")
     train_tps = _values(records, "trainer_tokens_per_s")
+    fed = _values(records, "trainer_tokens_fed")
+    shared = _values(records, "trainer_tokens_shared")
 
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
@@ -100,6 +102,10 @@ def demo_table(
         (
             "rollout / trainer tokens per s (mean)",
             f"{fmt(mean(roll), '.0f')} / {fmt(mean(train_tps), '.0f')}",
+        ),
+        (
+            "trainer tokens fed per step / prefix tokens not repeated (mean)",
+            f"{fmt(mean(fed), '.0f')} / {fmt(mean(shared), '.0f')}",
         ),
         ("trainer idle fraction", fmt(summary.trainer_idle_fraction, ".2f")),
         (

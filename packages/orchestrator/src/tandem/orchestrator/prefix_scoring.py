@@ -2,7 +2,7 @@
 
 The rollouts of a GRPO group start from the same prompt, and a small policy usually opens
 them with the same first call too, so most of a group's tokens are one shared prefix: about
-six in seven in the demo's two-turn episodes. Scoring every row whole repeats that prefix's
+over 80% in the demo's two-turn episodes. Scoring every row whole repeats that prefix's
 forward and backward once per rollout. Here each group's longest common prefix (same tokens
 and, under R3, the same recorded experts) is fed once, and each row only its own tokens,
 attending to the prefix's keys (`MoETransformer.forward(parents=...)`). Under
@@ -108,11 +108,17 @@ class SharedLayout:
 
 
 def score_shared(
-    model: MoETransformer, batch: RolloutBatch, replay: str, temperature: float = 1.0
+    model: MoETransformer,
+    batch: RolloutBatch,
+    replay: str,
+    temperature: float = 1.0,
+    layout: SharedLayout | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, T] of ``batch`` (position 0 and padding 0), as `trainer.score` gives
-    them on every real token, with each group's common prefix computed once."""
-    layout = SharedLayout(batch, match_routes=replay == "R3")
+    them on every real token, with each group's common prefix computed once (``layout``:
+    this batch's, if the caller already built it)."""
+    if layout is None:
+        layout = SharedLayout(batch, match_routes=replay == "R3")
     if layout.width < 2 or not layout.routes:  # no row has a token to score
         return torch.zeros_like(batch.input_ids, dtype=torch.float32)
     n_exp = getattr(model, "module", model).config.num_experts  # DDP wraps the model

@@ -34,7 +34,7 @@ from tandem.moe_determinism import (
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.engine import sampling_logits
 from tandem.orchestrator.episode import Sample
-from tandem.orchestrator.prefix_scoring import score_shared
+from tandem.orchestrator.prefix_scoring import SharedLayout, score_shared
 from tandem.orchestrator.sharding import shard_model
 
 
@@ -122,11 +122,24 @@ class _ReplayForward:
         self.temperature = temperature
         self.share_prefixes = share_prefixes
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.tokens_fed = 0  # tokens the forwards fed, and those sharing saved
+        self.tokens_shared = 0
 
     def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
         if self.share_prefixes:
-            lp = score_shared(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
+            layout = SharedLayout(micro, match_routes=self.replay == "R3")
+            self.tokens_fed += len(layout.tokens)
+            self.tokens_shared += layout.shared_tokens
+            lp = score_shared(
+                model,  # type: ignore[arg-type]
+                micro,
+                self.replay,
+                self.temperature,
+                layout,
+            )
         else:
+            assert micro.attention_mask is not None
+            self.tokens_fed += int((micro.attention_mask.sum(1) - 1).clamp_min(0).sum())
             lp, _, _ = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
         self.captured.append((micro.extras["row"], lp.detach()))
         return ForwardOutput(lp)
@@ -207,6 +220,7 @@ class RLTrainer:
             batch.extras["row"] = torch.arange(batch.num_sequences)
         version = self.policy_version
         self.hook.captured.clear()
+        self.hook.tokens_fed = self.hook.tokens_shared = 0
         same = (batch.policy_version == version) & (batch.extras["max_version"] == version)
         with batch_invariant(self.deterministic):
             checks = self._routing_check(batch, same)  # before the update: same weights
@@ -217,6 +231,9 @@ class RLTrainer:
                 metrics.update(self._more_updates(batch, shards))
         metrics.update(checks)
         metrics.update(self._mismatch(batch, same))
+        # one pass over the batch: tokens fed, and the prefix tokens sharing did not repeat
+        metrics["trainer_tokens_fed"] = self.hook.tokens_fed
+        metrics["trainer_tokens_shared"] = self.hook.tokens_shared
         return {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in metrics.items()
@@ -227,6 +244,7 @@ class RLTrainer:
         policy; the version advances once for the step. The first pass's capture is kept
         for the mismatch check (it alone scored with the rollout's weights)."""
         first = list(self.hook.captured)
+        counts = self.hook.tokens_fed, self.hook.tokens_shared
         old = torch.zeros_like(batch.rollout_logprobs)
         for rows, lp in first:
             old[rows] = lp
@@ -237,6 +255,7 @@ class RLTrainer:
             last = self.grpo.step(batch, shards=shards)
         self.policy_version = version
         self.hook.captured[:] = first
+        self.hook.tokens_fed, self.hook.tokens_shared = counts
         batch.old_logprobs = None
         return {
             "updates": self.config.updates_per_step,
