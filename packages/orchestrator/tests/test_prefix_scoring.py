@@ -3,6 +3,8 @@ whole (and as the engine's), and the same update up to summation order."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,3 +104,17 @@ def test_step_with_shared_prefixes_matches_step_without(
         torch.testing.assert_close(
             shared, whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()), msg=name
         )
+
+
+def test_rows_without_a_token_to_score_give_zeros(chat, tiny_policy, make_engine, helpers) -> None:
+    """One-token rows predict nothing: zeros, not an error from an empty pack."""
+    groups, _ = _group_samples(chat, tiny_policy, make_engine, helpers)
+    short = [
+        dataclasses.replace(
+            s, tokens=s.tokens[:1], loss_mask=[0], logprobs=[0.0], routes=s.routes[:0]
+        )
+        for s in groups[0][:2]
+    ]
+    batch = collate([short])
+    assert len(SharedLayout(batch, match_routes=True).tokens) == 0
+    assert torch.equal(score_shared(tiny_policy, batch, "R3"), torch.zeros(2, 1))

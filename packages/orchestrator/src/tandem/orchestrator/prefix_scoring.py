@@ -1,7 +1,7 @@
 """Score a micro-batch with each group's shared prefix computed once.
 
 The rollouts of a GRPO group start from the same prompt, and a small policy usually opens
-them with the same first call too, so most of a group's tokens are one shared prefix: about
+them with the same first call too, so most of a group's tokens are one shared prefix:
 over 80% in the demo's two-turn episodes. Scoring every row whole repeats that prefix's
 forward and backward once per rollout. Here each group's longest common prefix (same tokens
 and, under R3, the same recorded experts) is fed once, and each row only its own tokens,
@@ -27,6 +27,7 @@ class SharedLayout:
     sequence; ``cu_seqlens`` [S + 1]; ``parents`` [S]; ``routes``: the recorded experts of
     each sequence's tokens; ``index`` [B, T - 1]: the flat position of row b's token t (N
     where the row has none), so the row's log-probs are a gather from the flat ones.
+    ``shared_tokens``: the tokens not fed again (each prefix once per row beyond the first).
     """
 
     def __init__(self, batch: RolloutBatch, match_routes: bool) -> None:
@@ -66,8 +67,8 @@ class SharedLayout:
                     start = add(r, shared, fed[r], parent)
                     index[r, shared : fed[r]] = start + torch.arange(fed[r] - shared)
         index[index < 0] = offset  # the zero appended after the flat log-probs
-        self.tokens = torch.cat(tokens)
-        self.targets = torch.cat(targets)
+        self.tokens = torch.cat(tokens) if tokens else ids.new_zeros(0)
+        self.targets = torch.cat(targets) if targets else ids.new_zeros(0)
         lengths = torch.tensor([len(x) for x in tokens])
         self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
         self.parents = torch.tensor(parents)
