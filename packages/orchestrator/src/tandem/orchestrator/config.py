@@ -13,6 +13,9 @@ import msgspec
 
 from tandem.agent_env import SandboxError, check_task_family
 
+CATEGORY_KEYS = ("function", "bug_kind")
+"""The metadata fields that name a generated task's category (its function and bug kind)."""
+
 
 class ConfigValueError(ValueError):
     """A config value is out of range; the message names the field and the allowed values."""
@@ -246,7 +249,7 @@ class CurriculumConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     """
 
     enabled: bool = False
-    keys: list[str] = msgspec.field(default_factory=lambda: ["function", "bug_kind"])
+    keys: list[str] = msgspec.field(default_factory=lambda: list(CATEGORY_KEYS))
     window: int = 3
     keep: float = 0.2
 

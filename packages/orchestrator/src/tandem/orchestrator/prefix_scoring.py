@@ -74,7 +74,6 @@ class SharedLayout:
         self.parents = torch.tensor(parents)
         self.routes = route_parts
         self.index = index
-        self.width = t
 
     @staticmethod
     def _groups(batch: RolloutBatch) -> list[list[int]]:
@@ -120,7 +119,7 @@ def score_shared(
     this batch's, if the caller already built it)."""
     if layout is None:
         layout = SharedLayout(batch, match_routes=replay == "R3")
-    if layout.width < 2 or not layout.routes:  # no row has a token to score
+    if not layout.routes:  # no row has a token to score (every row is one token)
         return torch.zeros_like(batch.input_ids, dtype=torch.float32)
     n_exp = getattr(model, "module", model).config.num_experts  # DDP wraps the model
     kwargs = {"cu_seqlens": layout.cu_seqlens, "parents": layout.parents}

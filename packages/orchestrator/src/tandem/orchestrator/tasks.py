@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from tandem.agent_env import EnvConfig, Task, generate_tasks
-from tandem.orchestrator.config import EnvSettings, TaskConfig
+from tandem.orchestrator.config import CATEGORY_KEYS, EnvSettings, TaskConfig
 
 
 class TaskSource:
@@ -40,10 +40,6 @@ class TaskSource:
 
     def take(self, start: int, n: int) -> list[Task]:
         return [self[i] for i in range(start, start + n)]
-
-
-CATEGORY_KEYS = ("function", "bug_kind")
-"""The metadata fields that name a generated task's category (its function and bug kind)."""
 
 
 def task_category(task: Task, keys: Sequence[str] = CATEGORY_KEYS) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -114,34 +114,34 @@ def score(
     return lp, out.route_ids, out.counts
 
 
+class _Pass(NamedTuple):
+    """What the forward hook computed for one micro-batch: its rows, their detached
+    log-probs, the tokens fed, and the prefix tokens sharing did not feed again."""
+
+    rows: torch.Tensor
+    logprobs: torch.Tensor
+    tokens_fed: int
+    tokens_shared: int
+
+
 class _ReplayForward:
-    """The GRPO forward hook; keeps the detached log-probs it computed for the mismatch check."""
+    """The GRPO forward hook; keeps what it computed for the mismatch check and the metrics."""
 
     def __init__(self, replay: str, temperature: float, share_prefixes: bool = True) -> None:
         self.replay = replay
         self.temperature = temperature
         self.share_prefixes = share_prefixes
-        self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.tokens_fed = 0  # tokens the forwards fed, and those sharing saved
-        self.tokens_shared = 0
+        self.captured: list[_Pass] = []
 
     def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
         if self.share_prefixes:
             layout = SharedLayout(micro, match_routes=self.replay == "R3")
-            self.tokens_fed += len(layout.tokens)
-            self.tokens_shared += layout.shared_tokens
-            lp = score_shared(
-                model,  # type: ignore[arg-type]
-                micro,
-                self.replay,
-                self.temperature,
-                layout,
-            )
+            lp = score_shared(model, micro, self.replay, self.temperature, layout)  # type: ignore[arg-type]
+            fed, shared = len(layout.tokens), layout.shared_tokens
         else:
-            assert micro.attention_mask is not None
-            self.tokens_fed += int((micro.attention_mask.sum(1) - 1).clamp_min(0).sum())
-            lp, _, _ = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
-        self.captured.append((micro.extras["row"], lp.detach()))
+            lp, _, counts = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
+            fed, shared = sum(counts), 0
+        self.captured.append(_Pass(micro.extras["row"], lp.detach(), fed, shared))
         return ForwardOutput(lp)
 
 
@@ -220,7 +220,6 @@ class RLTrainer:
             batch.extras["row"] = torch.arange(batch.num_sequences)
         version = self.policy_version
         self.hook.captured.clear()
-        self.hook.tokens_fed = self.hook.tokens_shared = 0
         same = (batch.policy_version == version) & (batch.extras["max_version"] == version)
         with batch_invariant(self.deterministic):
             checks = self._routing_check(batch, same)  # before the update: same weights
@@ -232,8 +231,8 @@ class RLTrainer:
         metrics.update(checks)
         metrics.update(self._mismatch(batch, same))
         # one pass over the batch: tokens fed, and the prefix tokens sharing did not repeat
-        metrics["trainer_tokens_fed"] = self.hook.tokens_fed
-        metrics["trainer_tokens_shared"] = self.hook.tokens_shared
+        metrics["trainer_tokens_fed"] = sum(p.tokens_fed for p in self.hook.captured)
+        metrics["trainer_tokens_shared"] = sum(p.tokens_shared for p in self.hook.captured)
         return {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in metrics.items()
@@ -244,10 +243,9 @@ class RLTrainer:
         policy; the version advances once for the step. The first pass's capture is kept
         for the mismatch check (it alone scored with the rollout's weights)."""
         first = list(self.hook.captured)
-        counts = self.hook.tokens_fed, self.hook.tokens_shared
         old = torch.zeros_like(batch.rollout_logprobs)
-        for rows, lp in first:
-            old[rows] = lp
+        for p in first:
+            old[p.rows] = p.logprobs
         batch.old_logprobs = old
         version = self.policy_version
         for _ in range(self.config.updates_per_step - 1):
@@ -255,7 +253,6 @@ class RLTrainer:
             last = self.grpo.step(batch, shards=shards)
         self.policy_version = version
         self.hook.captured[:] = first
-        self.hook.tokens_fed, self.hook.tokens_shared = counts
         batch.old_logprobs = None
         return {
             "updates": self.config.updates_per_step,
@@ -266,8 +263,8 @@ class RLTrainer:
     def _mismatch(self, batch: RolloutBatch, same: torch.Tensor) -> dict[str, Any]:
         """Trainer (gradient pass) vs engine log-probs on the samples the update scored."""
         out: dict[str, Any] = {"same_version_samples": int(same.sum())}
-        rows = [int(r) for rows, _ in self.hook.captured for r in rows.tolist()]
-        lps = [lp for _, lp in self.hook.captured]
+        rows = [int(r) for p in self.hook.captured for r in p.rows.tolist()]
+        lps = [p.logprobs for p in self.hook.captured]
         if rows:
             trainer_lp = torch.zeros_like(batch.rollout_logprobs)
             trainer_lp[torch.tensor(rows)] = torch.cat(lps)
