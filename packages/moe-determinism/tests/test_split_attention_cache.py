@@ -10,12 +10,12 @@ import torch
 from tandem.moe_determinism import MoEDeterminismError, ops
 
 
-def _case(seed: int, max_len: int, tq: int, split: int):
+def _case(seed: int, max_len: int, tq: int, split: int, slots: tuple[int, ...] = (7, 2, 5, 0)):
     g = torch.Generator().manual_seed(seed)
-    slots_total, hkv, hq, d = 9, 2, 4, 8
+    slots_total, hkv, hq, d = 20, 2, 4, 8
     kc = torch.randn(slots_total, hkv, max_len, d, generator=g)
     vc = torch.randn(slots_total, hkv, max_len, d, generator=g)
-    slots = torch.tensor([7, 2, 5, 0])
+    slots = torch.tensor(slots)
     lengths = torch.randint(tq, max_len + 1, (4,), generator=g)
     lengths[1] = max_len  # one row fills its slot
     q = torch.randn(4, hq, tq, d, generator=g)
@@ -23,9 +23,26 @@ def _case(seed: int, max_len: int, tq: int, split: int):
     return kc, vc, slots, lengths, q, q_pos, split
 
 
-@pytest.mark.parametrize(("max_len", "tq"), [(256, 1), (256, 37), (200, 1), (200, 21)])
-def test_reading_the_cache_in_place_equals_attention_over_copied_rows(max_len: int, tq: int):
-    kc, vc, slots, lengths, q, q_pos, split = _case(max_len + tq, max_len, tq, 32)
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("max_len", "tq", "slots"),
+    [
+        (256, 1, (7, 2, 5, 0)),  # decoding: one query block per KV head
+        (256, 3, (7, 2, 5, 0)),
+        (256, 1, (19, 2, 5, 0)),  # slots far apart
+        (256, 1, (2, 3, 2, 0)),  # two rows read one slot
+        (256, 37, (7, 2, 5, 0)),
+        (200, 1, (7, 2, 5, 0)),  # cache not a whole number of splits: a copy of the rows
+        (200, 21, (7, 2, 5, 0)),
+    ],
+)
+def test_reading_the_cache_in_place_equals_attention_over_copied_rows(
+    max_len: int, tq: int, slots: tuple[int, ...]
+):
+    kc, vc, slots, lengths, q, q_pos, split = _case(max_len + tq, max_len, tq, 32, slots)
     tk = min(-(-int(lengths.max()) // split) * split, max_len)
     copied = ops.attention(
         q,
@@ -38,7 +55,7 @@ def test_reading_the_cache_in_place_equals_attention_over_copied_rows(max_len: i
     in_place = ops.attention(
         q, kc, vc, kv_split_size=split, q_positions=q_pos, kv_lengths=lengths, kv_slots=slots
     )
-    assert torch.equal(in_place, copied)
+    assert torch.equal(_bits(in_place), _bits(copied))
     # and the rows are right, not merely equal: a float64 softmax attention per row
     group = q.shape[1] // kc.shape[1]
     for i, slot in enumerate(slots.tolist()):
@@ -49,6 +66,32 @@ def test_reading_the_cache_in_place_equals_attention_over_copied_rows(max_len: i
         s = s.masked_fill(torch.arange(n)[None, None, :] > q_pos[i][None, :, None], float("-inf"))
         ref = torch.softmax(s, -1) @ v
         torch.testing.assert_close(in_place[i].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_ignores_what_the_cache_holds_past_a_rows_last_split() -> None:
+    """A slot's cache beyond a row's last split may hold anything (a longer sequence that held
+    the slot before, even non-finite values): those splits are never part of the result."""
+    kc, vc, slots, lengths, q, q_pos, split = _case(5, 256, 1, 32)
+    lengths[:] = torch.tensor([40, 256, 90, 33])
+    q_pos = lengths[:, None] - 1
+    for slot, n in zip(slots.tolist(), lengths.tolist(), strict=True):
+        end = -(-n // split) * split
+        kc[slot, :, end:] = float("inf")
+        vc[slot, :, end:] = float("nan")
+    tk = min(-(-int(lengths.max()) // split) * split, 256)
+    copied = ops.attention(
+        q,
+        kc[slots, :, :tk],
+        vc[slots, :, :tk],
+        kv_split_size=split,
+        q_positions=q_pos,
+        kv_lengths=lengths,
+    )
+    in_place = ops.attention(
+        q, kc, vc, kv_split_size=split, q_positions=q_pos, kv_lengths=lengths, kv_slots=slots
+    )
+    assert bool(torch.isfinite(copied).all())
+    assert torch.equal(_bits(in_place), _bits(copied))
 
 
 def test_cache_reads_need_lengths_and_one_slot_per_row() -> None:
