@@ -27,6 +27,24 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
+def _copied_and_in_place(kc, vc, slots, lengths, q, q_pos, split):
+    """Attention over a copy of the batch's cache rows (whole splits up to the longest row),
+    and over the cache read in place."""
+    tk = min(-(-int(lengths.max()) // split) * split, kc.shape[2])
+    copied = ops.attention(
+        q,
+        kc[slots, :, :tk],
+        vc[slots, :, :tk],
+        kv_split_size=split,
+        q_positions=q_pos,
+        kv_lengths=lengths,
+    )
+    in_place = ops.attention(
+        q, kc, vc, kv_split_size=split, q_positions=q_pos, kv_lengths=lengths, kv_slots=slots
+    )
+    return copied, in_place
+
+
 @pytest.mark.parametrize(
     ("max_len", "tq", "slots"),
     [
@@ -43,18 +61,7 @@ def test_reading_the_cache_in_place_equals_attention_over_copied_rows(
     max_len: int, tq: int, slots: tuple[int, ...]
 ):
     kc, vc, slots, lengths, q, q_pos, split = _case(max_len + tq, max_len, tq, 32, slots)
-    tk = min(-(-int(lengths.max()) // split) * split, max_len)
-    copied = ops.attention(
-        q,
-        kc[slots, :, :tk],
-        vc[slots, :, :tk],
-        kv_split_size=split,
-        q_positions=q_pos,
-        kv_lengths=lengths,
-    )
-    in_place = ops.attention(
-        q, kc, vc, kv_split_size=split, q_positions=q_pos, kv_lengths=lengths, kv_slots=slots
-    )
+    copied, in_place = _copied_and_in_place(kc, vc, slots, lengths, q, q_pos, split)
     assert torch.equal(_bits(in_place), _bits(copied))
     # and the rows are right, not merely equal: a float64 softmax attention per row
     group = q.shape[1] // kc.shape[1]
@@ -78,18 +85,7 @@ def test_decoding_ignores_what_the_cache_holds_past_a_rows_last_split() -> None:
         end = -(-n // split) * split
         kc[slot, :, end:] = float("inf")
         vc[slot, :, end:] = float("nan")
-    tk = min(-(-int(lengths.max()) // split) * split, 256)
-    copied = ops.attention(
-        q,
-        kc[slots, :, :tk],
-        vc[slots, :, :tk],
-        kv_split_size=split,
-        q_positions=q_pos,
-        kv_lengths=lengths,
-    )
-    in_place = ops.attention(
-        q, kc, vc, kv_split_size=split, q_positions=q_pos, kv_lengths=lengths, kv_slots=slots
-    )
+    copied, in_place = _copied_and_in_place(kc, vc, slots, lengths, q, q_pos, split)
     assert bool(torch.isfinite(copied).all())
     assert torch.equal(_bits(in_place), _bits(copied))
 
