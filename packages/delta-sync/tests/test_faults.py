@@ -228,7 +228,8 @@ def test_disk_full_while_publishing_then_rerun(local_store, big_trainer, monkeyp
         return real_open(path, mode, *a, **kw)
 
     monkeypatch.setattr(local_module, "open", tight_open, raising=False)
-    with pytest.raises(StoreError, match=r"version 1 \(delta from 0\): shard 2 .*disk full"):
+    # shards are written in parallel: whichever comes third finds the disk full
+    with pytest.raises(StoreError, match=r"version 1 \(delta from 0\): shard \d+ .*disk full"):
         pub.publish(1, v1)
     assert not list(local_store.root.rglob("*.tmp"))  # no half-written files left
     assert Subscriber(local_store).latest() == 0
