@@ -27,7 +27,15 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
-def _copied_and_in_place(kc, vc, slots, lengths, q, q_pos, split):
+def _copied_and_in_place(
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    split: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a copy of the batch's cache rows (whole splits up to the longest row),
     and over the cache read in place."""
     tk = min(-(-int(lengths.max()) // split) * split, kc.shape[2])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,21 @@ from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.prefix_scoring import SharedLayout, score_shared
 from tandem.orchestrator.trainer import RLTrainer, collate, score
+
+
+def _common_prefix(group) -> int:
+    """Leading fed tokens every rollout of ``group`` has in common (the token, its target and
+    its recorded experts), counted from the samples themselves; each keeps one of its own."""
+    first = group[0]
+    limit = min(len(s.tokens) for s in group) - 2
+    n = 0
+    while n < limit and all(
+        s.tokens[n : n + 2] == first.tokens[n : n + 2]
+        and np.array_equal(s.routes[n], first.routes[n])
+        for s in group
+    ):
+        n += 1
+    return n
 
 
 def _group_samples(chat, tiny_policy, make_engine, helpers):
@@ -88,9 +104,9 @@ def test_step_with_shared_prefixes_matches_step_without(
         metrics = trainer.step(groups)
         assert metrics["step_applied"] == 1.0
         assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_tokens"] > 0
-        batch = collate(groups[:1])  # a group of one has no signal: the trainer skips it
-        fed = int((batch.attention_mask.sum(1) - 1).sum())
-        shared = SharedLayout(batch, match_routes=True).shared_tokens if share else 0
+        # the group of one has no signal: the trainer scores the group of four only
+        fed = sum(len(s.tokens) - 1 for s in groups[0])
+        shared = (len(groups[0]) - 1) * _common_prefix(groups[0]) if share else 0
         assert shared > 0 or not share
         assert (metrics["trainer_tokens_fed"], metrics["trainer_tokens_shared"]) == (
             fed - shared,
