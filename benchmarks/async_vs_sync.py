@@ -82,12 +82,14 @@ def main() -> int:
     from tandem.app.errors import ConfigError
     from tandem.app.logging import configure_logging
     from tandem.app.pipeline_config import PipelineConfig
+    from tandem.orchestrator.allocator import reuse_freed_memory
     from tandem.orchestrator.pipeline import evaluate_policy, reinforce
     from tandem.orchestrator.policy import build_model, clone_model, load_policy
     from tandem.orchestrator.rl import RunHooks
     from tandem.orchestrator.tokenizer import ByteTokenizer
 
     configure_logging("warning", "console")
+    reuse_freed_memory()  # as the `tandem` command does (the split placement's actors too)
     placement = SPLIT_PLACEMENT if args.placement == "split" else []
     try:
         cfg = load_config(PipelineConfig, args.config, [*placement, *args.overrides])

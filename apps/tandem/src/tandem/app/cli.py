@@ -135,7 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_config(config), end="")
         return 0
     configure_logging(config.logging.level, config.logging.format)
+    from tandem.orchestrator.allocator import reuse_freed_memory
     from tandem.orchestrator.config import ConfigValueError
+
+    reuse_freed_memory()  # the trainer's large temporaries stay mapped between micro-batches
 
     try:
         return cmd.run(config, args)

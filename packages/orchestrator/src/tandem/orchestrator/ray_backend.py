@@ -101,8 +101,10 @@ class RolloutWorker:
         (otherwise only on `sync_to`)."""
         from tandem.agent_env import Env
         from tandem.delta_sync import Subscriber, open_store, warm_up
+        from tandem.orchestrator.allocator import reuse_freed_memory
         from tandem.orchestrator.tasks import TaskSource
 
+        reuse_freed_memory()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         spec = self.spec

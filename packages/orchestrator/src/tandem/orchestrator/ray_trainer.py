@@ -80,10 +80,12 @@ class TrainerRank:
         optimizer_state: dict[str, Any] | None,
     ) -> None:
         from tandem.delta_sync import open_store
+        from tandem.orchestrator.allocator import reuse_freed_memory
         from tandem.orchestrator.trainer import RLTrainer
         from tandem.orchestrator.weights import WeightPublisher
 
         spec = self.spec
+        reuse_freed_memory()
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         if self.world > 1:  # what `accelerate launch` would set; accelerate joins the group
