@@ -4,8 +4,8 @@ A trainer step allocates and frees hundreds of MB per micro-batch (attention blo
 for the backward pass, their gradients). Under glibc's defaults each block that large is a
 fresh ``mmap`` that is unmapped when freed, so every step the kernel maps and zeroes the same
 memory again. On a 2-core CPU, a step on 4 groups x 8 sequences of 650-1300 tokens (one torch
-thread, the trainer in a worker thread as in ``RLRun``) took 12.4 s, a third of its CPU time
-in the kernel; with the heap keeping its memory it took 8.3 s. Raising glibc's mmap and trim
+thread, the trainer in a worker thread as in ``RLRun``) took 13.9 s, 40% of its CPU time in
+the kernel; with the heap keeping its memory it took 8.3 s. Raising glibc's mmap and trim
 thresholds (and using one arena, see `reuse_freed_memory`) makes such blocks come from the
 heap and stay there for the next micro-batch.
 
