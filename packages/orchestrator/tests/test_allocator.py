@@ -1,6 +1,7 @@
 """`reuse_freed_memory`: after it, a large block comes from the heap (not a fresh mmap), in
-the main thread and in others, and freed memory is reused instead of being mapped again. Checked in a child process (the
-setting is process-wide) through glibc's own accounting, `mallinfo2`."""
+the main thread and in others, and freed memory is reused instead of being mapped again.
+Checked in a child process (the setting is process-wide) through glibc's own accounting,
+`mallinfo2`."""
 
 from __future__ import annotations
 
