@@ -11,12 +11,13 @@ import torch
 
 from tandem.moe_determinism import batch_invariant
 from tandem.orchestrator.config import TrainerConfig
+from tandem.orchestrator.episode import Sample
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.prefix_scoring import SharedLayout, score_shared
 from tandem.orchestrator.trainer import RLTrainer, collate, score
 
 
-def _common_prefix(group) -> int:
+def _common_prefix(group: list[Sample]) -> int:
     """Leading fed tokens every rollout of ``group`` has in common (the token, its target and
     its recorded experts), counted from the samples themselves; each keeps one of its own."""
     first = group[0]
