@@ -73,6 +73,11 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
     assert group_versions.count(0) >= 2
     assert summary.dropped_stale >= 1
     assert summary.staleness_histogram.keys() == {0}
+    # the engine decoded for part of the time it was up, and the step lines say how long
+    assert 0 < summary.engine_busy_s < summary.engine_s
+    assert summary.engine_busy_fraction == summary.engine_busy_s / summary.engine_s
+    busy = [r["engine_busy_s"] for r in records]
+    assert busy == sorted(busy) and 0 < busy[-1] <= summary.engine_busy_s
 
 
 def test_pipelined_steps_train_on_the_version_before_and_repeat_bit_for_bit(

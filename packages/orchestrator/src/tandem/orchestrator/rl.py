@@ -516,6 +516,7 @@ class RLRun:
             await asyncio.gather(*own, return_exceptions=True)
             await self.buffer.close()
             final = await self.rollouts.stats()
+            t_end = time.perf_counter()
             await self.rollouts.close()
             self.metrics.close()
             if self.trainer is not self.local_trainer:
@@ -540,6 +541,8 @@ class RLRun:
             pause_s=final.pause_s,
             prepare_s=final.prepare_s,
             last_metrics=last,
+            engine_busy_s=final.busy_s,
+            engine_s=final.workers * (t_end - rollout_t0),
         )
 
     async def _take_groups_checked(

@@ -60,6 +60,7 @@ class RolloutStats:
     sync_bytes: int = 0
     pull_failures: int = 0
     workers: int = 1
+    busy_s: float = 0.0  # seconds in engine steps (prefill, decode, swaps), summed over engines
 
     @staticmethod
     def merge(parts: list[RolloutStats]) -> RolloutStats:
@@ -73,6 +74,7 @@ class RolloutStats:
             out.prepare_s += p.prepare_s
             out.sync_bytes += p.sync_bytes
             out.pull_failures += p.pull_failures
+            out.busy_s += p.busy_s
         out.engine_version = min((p.engine_version for p in parts), default=-1)
         return out
 
@@ -236,6 +238,7 @@ class LocalRollouts:
             prepare_s=list(self.server.prepare_seconds),
             sync_bytes=self.server.sync_bytes,
             pull_failures=self.pull_failures,
+            busy_s=self.server.busy_seconds,
         )
 
     async def close(self) -> None:

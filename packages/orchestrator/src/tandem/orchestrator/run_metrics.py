@@ -26,11 +26,20 @@ class RunSummary:
     pause_s: list[float] = field(default_factory=list)
     prepare_s: list[float] = field(default_factory=list)
     last_metrics: dict[str, Any] = field(default_factory=dict)
+    engine_busy_s: float = 0.0  # in engine steps, summed over engines
+    engine_s: float = 0.0  # engines (at the end) x seconds from the first group on
 
     @property
     def trainer_idle_fraction(self) -> float:
         total = self.trainer_busy_s + self.trainer_wait_s
         return self.trainer_wait_s / total if total > 0 else 0.0
+
+    @property
+    def engine_busy_fraction(self) -> float:
+        """The rollout side's counterpart of the trainer's idle fraction: the share of its time
+        an engine spent in its steps, prefill and decode (the rest it waited for episodes:
+        tool calls, grading, new groups, or a version it may not run ahead of)."""
+        return self.engine_busy_s / self.engine_s if self.engine_s > 0 else 0.0
 
 
 def step_metrics(
@@ -75,5 +84,6 @@ def step_metrics(
         "engine_prepare_s": rollouts.prepare_s[-1] if rollouts.prepare_s else None,
         "rollout_workers": rollouts.workers,
         "pull_failures": rollouts.pull_failures,
+        "engine_busy_s": rollouts.busy_s,
         **counts,
     }
