@@ -100,9 +100,18 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     pools: list[dict] = []
     actor_pids: list[int] = []
 
+    nices: dict[str, list[set[int]]] = {}
+
+    def thread_nices(_actor: object) -> set[int]:  # run inside an actor: its threads' values
+        return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}
+
     async def pool_figures() -> None:  # after each step: the last call's figures are kept
         pools[:] = await remote.rollouts.env_pool_stats()
         actor_pids[:] = [await w.handle.pid.remote() for w in remote.rollouts.live]
+        nices["trainer"] = [await r.__ray_call__.remote(thread_nices) for r in remote.trainer.ranks]
+        nices["engines"] = [
+            await w.handle.__ray_call__.remote(thread_nices) for w in remote.rollouts.live
+        ]
 
     # the trainer's weights of each version (version 0: the initial ones)
     want: dict[int, str] = {}
@@ -118,9 +127,12 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
         )
         return pool_figures()
 
-    # the sandboxes run in an environment-pool actor, apart from the engines
+    # the sandboxes run in an environment-pool actor, apart from the engines; the trainer
+    # ranks give way to the engines on the CPU
     ray_rl = msgspec.structs.replace(
-        rl, backend="ray", ray=msgspec.structs.replace(RAY, torch_threads=1, env_pools=1)
+        rl,
+        backend="ray",
+        ray=msgspec.structs.replace(RAY, torch_threads=1, env_pools=1, trainer_nice=19),
     )
     remote = _demo_run(tmp_path / "ray", ray_rl, RunHooks(reward=parity, on_step=after_step))
     want[0] = state_digest(state_for_sync(remote.policy))
@@ -135,6 +147,9 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     assert sorted(remote.rollouts.assigned) == ["rollout-0", "rollout-1"]  # both played
     assert summary.trajectories == local_summary.trajectories
     assert summary.last_metrics["rollout_workers"] == 2
+    assert 0 < summary.engine_busy_s <= summary.engine_s  # two engines' decoding time
+    assert nices["trainer"] == [{19}, {19}]  # every thread of both ranks
+    assert len(nices["engines"]) == 2 and all(max(n) < 19 for n in nices["engines"])
     # every episode (kept or dropped) was reset in the pool, none is left open
     played = rl.steps * rl.groups_per_step * rl.group_size
     assert len(pools) == 1 and pools[0]["served"] >= played and pools[0]["open"] == 0

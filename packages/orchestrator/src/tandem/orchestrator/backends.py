@@ -44,6 +44,7 @@ def ray_trainer(
         store_url=store_url,
         anchor_every=rl.anchor_every,
         torch_threads=rl.ray.torch_threads,
+        nice=rl.ray.trainer_nice,
     )
     optimizer = local.grpo.optimizer.state_dict() if resumed else None
     remote = RayTrainer(

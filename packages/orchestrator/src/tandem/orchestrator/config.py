@@ -208,7 +208,10 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     budget (``episode_wall_s + grade_timeout_s``) is hung: it is killed, counted lost, and
     the group re-queued. ``env_pools``: environment-pool actors (declaring ``env_cpus``
     each) that run every episode's sandbox, apart from the engines; 0 runs the sandboxes
-    inside each rollout actor.
+    inside each rollout actor. ``trainer_nice``: the nice value (0-19) of every trainer rank,
+    for ranks that share cores with rollout engines: a higher value than the engines' (Ray
+    starts workers at 15) lets the engines, which the trainer waits for, take the CPU first
+    (see `tandem.orchestrator.priority`); unset keeps the value Ray gives.
     """
 
     address: str = ""
@@ -225,9 +228,15 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stall_s: float = 120.0
     env_pools: int = 0
     env_cpus: float = 1.0
+    trainer_nice: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.stall_s > 0, "stall_s", "must be > 0")
+        _require(
+            self.trainer_nice is None or 0 <= self.trainer_nice <= 19,
+            "trainer_nice",
+            "must be a nice value in 0..19",
+        )
         _require(self.env_pools >= 0, "env_pools", "must be >= 0 (0: sandboxes in each actor)")
         _require(self.env_cpus >= 0, "env_cpus", "must be >= 0")
         _require(self.workers >= 1, "workers", "must be >= 1")

@@ -52,6 +52,7 @@ class TrainerSpec:
     store_url: str
     anchor_every: int
     torch_threads: int
+    nice: int | None = None  # every rank's nice value (None: as Ray starts it)
 
 
 def _free_port() -> int:
@@ -81,6 +82,7 @@ class TrainerRank:
     ) -> None:
         from tandem.delta_sync import open_store
         from tandem.orchestrator.allocator import reuse_freed_memory
+        from tandem.orchestrator.priority import set_nice
         from tandem.orchestrator.trainer import RLTrainer
         from tandem.orchestrator.weights import WeightPublisher
 
@@ -88,6 +90,8 @@ class TrainerRank:
         reuse_freed_memory()
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
+        if spec.nice is not None:
+            set_nice(spec.nice)
         if self.world > 1:  # what `accelerate launch` would set; accelerate joins the group
             os.environ.update(
                 MASTER_ADDR=master[0],

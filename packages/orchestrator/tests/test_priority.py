@@ -1,0 +1,63 @@
+"""`set_nice`: every thread of the process gets the value (Linux keeps one per thread), threads
+started later inherit it, and a value the process may not take is kept out, not an error.
+Checked in a child process: a nice value cannot be lowered again without privileges."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tandem.orchestrator.config import ConfigValueError, RayConfig
+from tandem.orchestrator.priority import set_nice
+
+CHILD = """
+import json, os, threading
+from tandem.orchestrator.priority import set_nice
+
+def nice_of_threads():
+    return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
+
+release = threading.Event()
+early = threading.Thread(target=release.wait)  # running before the call
+early.start()
+start = os.getpriority(os.PRIO_PROCESS, 0)
+target = min(start + 3, 19)
+got = set_nice(target)
+after = nice_of_threads()
+late = {}
+def report():  # started after the call: inherits the value of the thread that starts it
+    late["nice"] = os.getpriority(os.PRIO_PROCESS, 0)
+t = threading.Thread(target=report)
+t.start(); t.join()
+kept = set_nice(max(target - 2, 0))  # lower again: not allowed, the value stays
+release.set(); early.join()
+print(json.dumps({"start": start, "target": target, "got": got, "after": after,
+                  "late": late["nice"], "kept": kept, "final": nice_of_threads()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_every_thread_gets_the_value_and_it_cannot_be_lowered_again() -> None:
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, check=True, timeout=60
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["target"] > r["start"] or r["start"] == 19
+    assert r["got"] == r["target"]
+    assert r["after"] == [r["target"]]  # the main thread and the one already running
+    assert r["late"] == r["target"]
+    assert r["kept"] == r["target"] and r["final"] == [r["target"]]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own  # the test process is untouched
+
+
+@pytest.mark.parametrize("value", [-1, 20])
+def test_values_outside_nice_range_are_refused(value: int) -> None:
+    with pytest.raises(ValueError, match=r"0\.\.19"):
+        set_nice(value)
+    with pytest.raises(ConfigValueError, match="trainer_nice"):
+        RayConfig(trainer_nice=value)
