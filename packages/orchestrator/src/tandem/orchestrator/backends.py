@@ -7,15 +7,65 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from tandem.moe_determinism import MoETransformer
 from tandem.orchestrator.chat_format import ChatFormat
-from tandem.orchestrator.config import EngineConfig, EnvSettings, RLConfig, TrainerConfig
+from tandem.orchestrator.config import (
+    ConfigValueError,
+    EngineConfig,
+    EnvSettings,
+    RLConfig,
+    TrainerConfig,
+)
 from tandem.orchestrator.engine import InferenceEngine
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.rollouts import LocalRollouts
 from tandem.orchestrator.tasks import TaskSource
 from tandem.orchestrator.trainer import RLTrainer
 from tandem.orchestrator.weights import state_for_sync
+
+log = structlog.get_logger()
+
+
+def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bool) -> None:
+    """Whether the cluster has the CPUs and GPUs the run's actors declare at start.
+
+    An actor whose resources the cluster lacks is never scheduled, and the run would wait for
+    it without a word. A cluster started here has only this machine, so a shortfall is a
+    config error (raised after shutting that cluster down); a joined cluster may still grow
+    (nodes joining, an autoscaler), so there it is a warning."""
+    import ray
+
+    r = rl.ray
+    demands = {
+        "CPU": {
+            "rl.ray.trainer_cpus x trainer.processes": r.trainer_cpus * trainer_processes,
+            "rl.ray.worker_cpus x rl.ray.workers": r.worker_cpus * r.workers,
+            "rl.ray.env_cpus x rl.ray.env_pools": r.env_cpus * r.env_pools,
+        },
+        "GPU": {
+            "rl.ray.trainer_gpus x trainer.processes": r.trainer_gpus * trainer_processes,
+            "rl.ray.worker_gpus x rl.ray.workers": r.worker_gpus * r.workers,
+        },
+    }
+    have = ray.cluster_resources()
+    for kind, parts in demands.items():
+        need = sum(parts.values())
+        if need <= have.get(kind, 0.0) + 1e-9:
+            continue
+        detail = ", ".join(f"{k} = {v:g}" for k, v in parts.items() if v)
+        what = (
+            f"the actors declare {need:g} {kind}s ({detail}); "
+            f"the cluster has {have.get(kind, 0.0):g}"
+        )
+        if started_here:
+            ray.shutdown()
+            raise ConfigValueError(
+                f"{what}: lower those values, or set rl.ray.num_cpus (0: all of this "
+                "machine's CPUs), or join a larger cluster with rl.ray.address"
+            )
+        log.warning("ray.resources_short", detail=what, hint="actors wait until nodes join")
 
 
 def ray_trainer(
@@ -36,6 +86,7 @@ def ray_trainer(
     from tandem.orchestrator.ray_trainer import RayTrainer, TrainerSpec
 
     started = connect(rl.ray)
+    check_cluster_fits(rl, trainer.processes, started_here=started)
     spec = TrainerSpec(
         model=policy.config,
         trainer=trainer,

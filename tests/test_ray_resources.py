@@ -1,0 +1,54 @@
+"""Actors that declare more CPUs than the cluster has are never scheduled: on a cluster the run
+starts itself that is a config error at start (not a run waiting forever), on a joined one a
+warning."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import structlog
+
+from tandem.orchestrator.backends import check_cluster_fits
+from tandem.orchestrator.config import ConfigValueError, RayConfig, RLConfig
+from tandem.orchestrator.rl import RunHooks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rl_helpers import parity, tiny_run
+
+
+def _rl(ray_config: RayConfig) -> RLConfig:
+    return RLConfig(
+        mode="async", steps=1, group_size=2, groups_per_step=1, backend="ray", ray=ray_config
+    )
+
+
+def test_a_cluster_started_here_too_small_for_the_actors_is_a_config_error(tmp_path: Path) -> None:
+    assert not ray.is_initialized()
+    # one trainer rank (1 CPU) and two rollout actors (1 CPU each) on a 2-CPU cluster
+    run = tiny_run(tmp_path, _rl(RayConfig(num_cpus=2, workers=2)), RunHooks(reward=parity))
+    with pytest.raises(ConfigValueError) as err:
+        run.run()
+    message = str(err.value)
+    assert "declare 3 CPUs" in message and "the cluster has 2" in message
+    assert "rl.ray.worker_cpus x rl.ray.workers = 2" in message
+    assert "rl.ray.trainer_cpus x trainer.processes = 1" in message
+    assert not ray.is_initialized()  # the cluster it started is gone with it
+
+
+def test_a_joined_cluster_that_is_short_gets_a_warning_and_keeps_running() -> None:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        short = _rl(RayConfig(workers=3, trainer_gpus=1))
+        with structlog.testing.capture_logs() as logs:
+            check_cluster_fits(short, 1, started_here=False)
+            check_cluster_fits(_rl(RayConfig(workers=1)), 1, started_here=False)  # fits
+        warnings = [e for e in logs if e["event"] == "ray.resources_short"]
+        assert len(warnings) == 2  # CPUs (4 of 2) and GPUs (1 of 0), none for the one that fits
+        assert "declare 4 CPUs" in warnings[0]["detail"]
+        assert "declare 1 GPUs" in warnings[1]["detail"]
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
