@@ -59,5 +59,10 @@ def test_every_thread_gets_the_value_and_it_cannot_be_lowered_again() -> None:
 def test_values_outside_nice_range_are_refused(value: int) -> None:
     with pytest.raises(ValueError, match=r"0\.\.19"):
         set_nice(value)
+
+
+@pytest.mark.parametrize("value", [-2, 20])
+def test_the_config_takes_a_nice_value_or_minus_one(value: int) -> None:
     with pytest.raises(ConfigValueError, match="trainer_nice"):
         RayConfig(trainer_nice=value)
+    assert RayConfig().trainer_nice == -1  # the default: Ray's own value

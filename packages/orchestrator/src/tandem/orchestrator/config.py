@@ -211,7 +211,7 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     inside each rollout actor. ``trainer_nice``: the nice value (0-19) of every trainer rank,
     for ranks that share cores with rollout engines: a higher value than the engines' (Ray
     starts workers at 15) lets the engines, which the trainer waits for, take the CPU first
-    (see `tandem.orchestrator.priority`); unset keeps the value Ray gives.
+    (see `tandem.orchestrator.priority`); -1 keeps the value Ray gives.
     """
 
     address: str = ""
@@ -228,14 +228,14 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stall_s: float = 120.0
     env_pools: int = 0
     env_cpus: float = 1.0
-    trainer_nice: int | None = None
+    trainer_nice: int = -1
 
     def __post_init__(self) -> None:
         _require(self.stall_s > 0, "stall_s", "must be > 0")
         _require(
-            self.trainer_nice is None or 0 <= self.trainer_nice <= 19,
+            -1 <= self.trainer_nice <= 19,
             "trainer_nice",
-            "must be a nice value in 0..19",
+            "must be a nice value in 0..19, or -1 (keep Ray's)",
         )
         _require(self.env_pools >= 0, "env_pools", "must be >= 0 (0: sandboxes in each actor)")
         _require(self.env_cpus >= 0, "env_cpus", "must be >= 0")

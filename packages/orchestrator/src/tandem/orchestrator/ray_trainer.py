@@ -52,7 +52,7 @@ class TrainerSpec:
     store_url: str
     anchor_every: int
     torch_threads: int
-    nice: int | None = None  # every rank's nice value (None: as Ray starts it)
+    nice: int = -1  # every rank's nice value (-1: as Ray starts it)
 
 
 def _free_port() -> int:
@@ -90,7 +90,7 @@ class TrainerRank:
         reuse_freed_memory()
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
-        if spec.nice is not None:
+        if spec.nice >= 0:
             set_nice(spec.nice)
         if self.world > 1:  # what `accelerate launch` would set; accelerate joins the group
             os.environ.update(
