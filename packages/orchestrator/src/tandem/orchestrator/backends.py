@@ -28,8 +28,9 @@ from tandem.orchestrator.weights import state_for_sync
 log = structlog.get_logger()
 
 
-def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bool) -> None:
-    """Whether the cluster has the CPUs and GPUs the run's actors declare at start.
+def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bool) -> list[str]:
+    """Whether the cluster has the CPUs and GPUs the run's actors declare at start; returns
+    the shortfalls found on a joined cluster (each also logged as a warning).
 
     An actor whose resources the cluster lacks is never scheduled, and the run would wait for
     it without a word. A cluster started here has only this machine, so a shortfall is a
@@ -50,6 +51,7 @@ def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bo
         },
     }
     have = ray.cluster_resources()
+    short: list[str] = []
     for kind, parts in demands.items():
         need = sum(parts.values())
         if need <= have.get(kind, 0.0) + 1e-9:
@@ -66,6 +68,8 @@ def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bo
                 "machine's CPUs), or join a larger cluster with rl.ray.address"
             )
         log.warning("ray.resources_short", detail=what, hint="actors wait until nodes join")
+        short.append(what)
+    return short
 
 
 def ray_trainer(
