@@ -254,7 +254,7 @@ def print_table(
         for m in ratio_modes:
             per_round = [
                 f"{(a['trajectories'] / a['wall_s']) / (b['trajectories'] / b['wall_s']):.2f}"
-                f" (pass@1 {b['pass1']:.3f} / {a['pass1']:.3f})"
+                f" (pass@1 sync {b['pass1']:.3f}, {m} {a['pass1']:.3f})"
                 for a, b in zip(rounds[m], rounds["sync"], strict=True)
             ]
             print(f"{m}/sync trajectories/s by round: " + ", ".join(per_round))

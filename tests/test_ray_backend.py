@@ -147,7 +147,7 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     assert sorted(remote.rollouts.assigned) == ["rollout-0", "rollout-1"]  # both played
     assert summary.trajectories == local_summary.trajectories
     assert summary.last_metrics["rollout_workers"] == 2
-    assert 0 < summary.engine_busy_s <= summary.engine_s  # two engines' decoding time
+    assert 0 < summary.engine_busy_s <= summary.engine_s  # two engines' time in steps
     assert nices["trainer"] == [{19}, {19}]  # every thread of both ranks
     assert len(nices["engines"]) == 2 and all(max(n) < 19 for n in nices["engines"])
     # every episode (kept or dropped) was reset in the pool, none is left open

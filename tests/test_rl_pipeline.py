@@ -75,7 +75,6 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
     assert summary.staleness_histogram.keys() == {0}
     # the engine decoded for part of the time it was up, and the step lines say how long
     assert 0 < summary.engine_busy_s < summary.engine_s
-    assert summary.engine_busy_fraction == summary.engine_busy_s / summary.engine_s
     busy = [r["engine_busy_s"] for r in records]
     assert busy == sorted(busy) and 0 < busy[-1] <= summary.engine_busy_s
 

@@ -1,6 +1,6 @@
 """`set_nice`: every thread of the process gets the value (Linux keeps one per thread), threads
-started later inherit it, and a value the process may not take is kept out, not an error.
-Checked in a child process: a nice value cannot be lowered again without privileges."""
+started later inherit it, and a lower value (a higher priority) is not applied, not an error.
+Checked in a child process: the test process keeps its own priority."""
 
 from __future__ import annotations
 

@@ -53,14 +53,11 @@ def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bo
     have = ray.cluster_resources()
     short: list[str] = []
     for kind, parts in demands.items():
-        need = sum(parts.values())
-        if need <= have.get(kind, 0.0) + 1e-9:
+        need, available = sum(parts.values()), have.get(kind, 0.0)
+        if need <= available + 1e-9:
             continue
         detail = ", ".join(f"{k} = {v:g}" for k, v in parts.items() if v)
-        what = (
-            f"the actors declare {need:g} {kind}s ({detail}); "
-            f"the cluster has {have.get(kind, 0.0):g}"
-        )
+        what = f"the actors declare {need:g} {kind}s ({detail}); the cluster has {available:g}"
         if started_here:
             ray.shutdown()
             raise ConfigValueError(

@@ -3,11 +3,11 @@
 The rollouts of a GRPO group start from the same prompt, and a small policy usually opens
 them with the same first call too, so most of a group's tokens are one shared prefix:
 about 70% in the demo's episodes (over 80% when they had two turns). Scoring every row
-whole repeats that prefix's forward and backward once per rollout. Here each group's longest common prefix (same tokens
-and, under R3, the same recorded experts) is fed once, and each row only its own tokens,
-attending to the prefix's keys (`MoETransformer.forward(parents=...)`). Under
-`batch_invariant()` the log-probs are the bits of scoring each row whole, so the mismatch
-against the engine stays zero; the gradient is the same sum in another order.
+whole repeats that prefix's forward and backward once per rollout. Here each group's longest
+common prefix (same tokens and, under R3, the same recorded experts) is fed once, and each
+row only its own tokens, attending to the prefix's keys (`MoETransformer.forward(parents=...)`).
+Under `batch_invariant()` the log-probs are the bits of scoring each row whole, so the
+mismatch against the engine stays zero; the gradient is the same sum in another order.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ of the time). At equal priority the kernel gives the trainer its share of every 
 core and the engines decode slower than they could. A trainer rank with a higher nice value
 leaves the engines the CPU first and uses what is left, which is enough while it has time to
 spare. (On a 2-core machine, async GRPO with one engine actor and one trainer rank, both at
-Ray's default nice 15: the trainer at 19 gave 9.6% and 10.9% more trajectories/s, two runs
-of 90 s each.)
+Ray's default nice 15: the trainer at 19 gave 9.6% and 10.9% more trajectories/s, in two
+pairs of 90 s runs.)
 
 Linux keeps a nice value per thread (``setpriority`` on a process id changes only its main
 thread), so `set_nice` sets every thread of the process; threads started later inherit the
@@ -37,8 +37,8 @@ def set_nice(value: int) -> int:
     """Give every thread of this process the nice value ``value`` (0-19); returns the value
     the process holds after the call.
 
-    Without privileges a process may only lower its priority: a ``value`` below the current
-    one keeps the current one (logged), it does not fail."""
+    It only ever lowers the priority: a ``value`` below the current one (a higher priority,
+    which needs privileges) is not applied; the current value is kept and logged."""
     if not 0 <= value <= MAX_NICE:
         raise ValueError(f"set_nice: value must be in 0..{MAX_NICE}, got {value}")
     current = os.getpriority(os.PRIO_PROCESS, 0)
