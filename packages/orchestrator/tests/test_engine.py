@@ -161,6 +161,11 @@ def test_shared_prefixes_are_copied_without_changing_a_bit(
     # three of the four copy all of the prompt but the token they sample from
     assert shared.stats.tokens_reused >= 3 * (len(task) - 1)
     assert shared.stats.tokens_fed == plain.stats.tokens_fed - shared.stats.tokens_reused
+    # and their copies of the prompt's whole KV splits name one slot as their origin, the
+    # split attention read once per step for all four
+    origins = shared.cache.origins
+    named = origins != torch.arange(origins.shape[0])[:, None]
+    assert int(named.sum()) >= 3 * ((len(task) - 1) // shared.cache.split) > 0
 
 
 def test_no_prefix_is_shared_across_weight_versions(

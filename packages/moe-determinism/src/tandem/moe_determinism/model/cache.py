@@ -6,6 +6,11 @@ current length (prefill of a new turn and one-token decode look the same), so ep
 join, grow by whole turns, and leave independently. Token t of a sequence is stored at
 position t, which is what batch-invariant attention needs: the KV splits of a sequence are
 aligned to its own first token, whatever the other slots hold.
+
+`origins` records which slots hold the same bits in a KV split (`kv_split_size` positions):
+`copy_prefix` makes the copied splits share the source's origin, so attention can read a
+split once for every row that holds it (a GRPO group's shared prompt). A slot whose length
+drops below a split hands that split's origin role to another slot that still holds it.
 """
 
 from __future__ import annotations
@@ -34,11 +39,17 @@ class KVCache:
         ]
         self.lengths = torch.zeros(max_slots, dtype=torch.long)
         self.max_slots, self.max_len = max_slots, max_len
+        self.split = config.kv_split_size
+        splits = -(-max_len // self.split)
+        # origins[i, s]: a slot whose split s holds the bits of slot i's split s (i itself
+        # unless a copy made them equal); only ever another slot for a split both hold whole.
+        self.origins = torch.arange(max_slots)[:, None].repeat(1, splits)
 
     def reset(self, slot: int) -> None:
         """Free a slot for a new sequence (the stale keys are masked by length, not cleared)."""
         self._check_slot(slot)
         self.lengths[slot] = 0
+        self._forget_splits(slot, 0)
 
     def truncate(self, slot: int, length: int) -> None:
         """Drop tokens after `length` (e.g. a rejected suffix)."""
@@ -48,6 +59,7 @@ class KVCache:
                 f"cannot truncate slot {slot} of length {int(self.lengths[slot])} to {length}"
             )
         self.lengths[slot] = length
+        self._forget_splits(slot, length)
 
     def copy_prefix(self, src: int, dst: int, end: int) -> None:
         """Extend ``dst`` to length ``end`` with ``src``'s keys and values at those positions
@@ -63,6 +75,21 @@ class KVCache:
         for cache in (*self.keys, *self.values):
             cache[dst, :, start:end] = cache[src, :, start:end]
         self.lengths[dst] = end
+        # whole splits copied in full now hold the bits of the source's: they share its origin
+        first, last = -(-start // self.split), end // self.split
+        if last > first:
+            self.origins[dst, first:last] = self.origins[src, first:last]
+
+    def _forget_splits(self, slot: int, length: int) -> None:
+        """``slot`` keeps only its first ``length`` positions: from its first split no longer
+        whole, it is its own origin, and the slots that named it as theirs name another
+        holder of the same bits (the lowest such slot), or themselves."""
+        tail = self.origins[:, length // self.split :]
+        named = tail == slot
+        named[slot] = False
+        heir = named.to(torch.int8).argmax(0)  # the first slot naming it, per split
+        tail.copy_(torch.where(named, heir[None, :], tail))
+        tail[slot] = slot
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:

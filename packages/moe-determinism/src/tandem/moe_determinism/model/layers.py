@@ -112,16 +112,18 @@ class Attention(nn.Module):
             kc[slot_of, :, layout.positions] = k.to(kc.dtype)
             vc[slot_of, :, layout.positions] = v.to(vc.dtype)
             kv_len = layout.offsets + layout.counts
-            kv_slots = None
+            kv_slots = kv_origins = None
             if is_batch_invariant():
                 # The split kernel reads whole KV splits of the batch's slots straight from
-                # the cache (keys past a row's length are masked either way): no copy.
+                # the cache (keys past a row's length are masked either way): no copy; and
+                # a split several rows hold (a shared prompt) once for all of them.
                 keys, values, kv_slots = kc, vc, layout.slots
+                kv_origins = layout.cache.origins.index_select(0, layout.slots.cpu())
             else:
                 tk = int(kv_len.max())
                 keys, values = kc[layout.slots, :, :tk], vc[layout.slots, :, :tk]
         else:
-            kv_len, kv_slots = layout.offsets + layout.counts, None
+            kv_len, kv_slots, kv_origins = layout.offsets + layout.counts, None, None
             span = int(kv_len.max()) if s else 0
             keys = x.new_zeros(s, span, hkv, d)
             values = x.new_zeros(s, span, hkv, d)
@@ -141,6 +143,7 @@ class Attention(nn.Module):
                 q_positions=q_pos,
                 kv_lengths=kv_len,
                 kv_slots=kv_slots,
+                kv_origins=kv_origins,
             )
         else:
             group = h // hkv

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.ops.gemm import fixed_shape_bmm
 from tandem.moe_determinism.ops.reduction import fixed_sum, tree_sum
+from tandem.moe_determinism.ops.shared_splits import SharedSplits
 
 Q_BLOCK = 16
 """Query rows (heads x queries of one KV head) per fixed-shape GEMM block."""
@@ -114,6 +115,7 @@ def attention(
     kv_lengths: torch.Tensor | None = None,
     scale: float | None = None,
     kv_slots: torch.Tensor | None = None,
+    kv_origins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, invariant per query. Returns [B, Hq, Tq, D].
 
@@ -123,6 +125,9 @@ def attention(
     kv_slots [B]: k and v are a KV cache [slots, Hkv, max_len, D] and batch row i reads slot
     ``kv_slots[i]`` (``kv_lengths`` required). The CPU path then reads the key splits it needs
     straight from the cache instead of a copy of every row's keys; the result is the same.
+    kv_origins [B, cache splits] (with kv_slots): for row i and split s, a cache slot whose
+    split s holds the same bits as slot ``kv_slots[i]``'s (`KVCache.origins`). On the CPU,
+    rows reading the same split then share its gather and GEMM blocks; the result is the same.
     """
     _check_shapes(q, k, v, kv_slots)
     if kv_split_size <= 0:
@@ -135,6 +140,11 @@ def attention(
         tk = min(-(-int(kv_lengths.max()) // kv_split_size) * kv_split_size, k.shape[2])
         if q.is_cuda or k.shape[2] % kv_split_size:
             k, v, kv_slots = k[kv_slots, :, :tk], v[kv_slots, :, :tk], None
+            kv_origins = None
+        elif kv_origins is not None:
+            _check_origins(kv_origins, kv_slots, k.shape[0], k.shape[2] // kv_split_size)
+    elif kv_origins is not None:
+        raise MoEDeterminismError("attention: kv_origins needs kv_slots")
     q_positions, kv_lengths = _default_positions(q, k, q_positions, kv_lengths)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.is_cuda:
@@ -142,8 +152,20 @@ def attention(
 
         return cuda_attention(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
     return _attention_cpu(
-        q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk
+        q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk, kv_origins
     )
+
+
+def _check_origins(
+    origins: torch.Tensor, slots: torch.Tensor, cache_slots: int, splits: int
+) -> None:
+    if origins.shape != (slots.shape[0], splits):
+        raise MoEDeterminismError(
+            f"attention: kv_origins must be [B, cache splits] = {(slots.shape[0], splits)}, "
+            f"got {tuple(origins.shape)}"
+        )
+    if origins.numel() and (int(origins.min()) < 0 or int(origins.max()) >= cache_slots):
+        raise MoEDeterminismError(f"attention: kv_origins must be slots in [0, {cache_slots})")
 
 
 def _visible_prefix(
@@ -227,6 +249,7 @@ def _attention_cpu(
     scale: float,
     kv_slots: torch.Tensor | None = None,
     cache_keys: int = 0,
+    kv_origins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split attention on the CPU, computing only the (query block, KV split) pairs in which
     some row sees some key.
@@ -246,7 +269,10 @@ def _attention_cpu(
     With ``kv_slots`` (k and v a slot cache whose length is a whole number of splits), the
     key and value splits are gathered from the cache rows of the batch's slots, as if the
     first ``cache_keys`` keys of those rows had been copied out first: the same blocks, the
-    same grid, the same bits, one copy fewer.
+    same grid, the same bits, one copy fewer. With ``kv_origins`` as well, a row reads each
+    split from the slot its origin names, and the rows of one block (decoding) that read the
+    same split are stacked into shared GEMM blocks (`SharedSplits`): a GRPO group's samples
+    read their common prompt once per step instead of once each.
     """
     b, hq, tq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
@@ -273,8 +299,11 @@ def _attention_cpu(
     if kv_slots is None:
         kv_block_of = head_of * n_sp + sp_of  # flat (b, hkv, split)
     else:  # the same split of the cache row: flat (slot, hkv, split of the whole cache)
-        cache_head = kv_slots.to(dev)[head_of // hkv] * hkv + head_of % hkv
-        kv_block_of = cache_head * (k.shape[2] // split) + sp_of
+        if kv_origins is None:
+            slot_of = kv_slots.to(dev)[head_of // hkv]
+        else:  # the slot whose split holds the same bits, shared by the rows that share it
+            slot_of = kv_origins.to(dev)[head_of // hkv, sp_of]
+        kv_block_of = (slot_of * hkv + head_of % hkv) * (k.shape[2] // split) + sp_of
     row_limit = limit.view(b, 1, n_rb, Q_BLOCK).expand(b, hkv, n_rb, Q_BLOCK)
     row_limit = row_limit.reshape(-1, Q_BLOCK)[:, :live].index_select(0, block_of)
 
@@ -284,8 +313,14 @@ def _attention_cpu(
         k, v = F.pad(k, (0, 0, 0, keys_p - tk)), F.pad(v, (0, 0, 0, keys_p - tk))
     kp, vp = k.reshape(-1, split, d), v.reshape(-1, split, dv)
     q_blk = _GatherBlocks.apply(qr, block_of)
-    k_blk = _GatherBlocks.apply(kp, kv_block_of)
-    scores = fixed_shape_bmm(q_blk, k_blk.transpose(1, 2))  # fixed [Q_BLOCK, D] @ [D, split]
+    shared = None
+    if kv_origins is not None and n_rb == 1 and 2 * live <= Q_BLOCK:
+        shared = SharedSplits.build(kv_block_of, live, Q_BLOCK)
+        k_blk = _GatherBlocks.apply(kp, shared.kv_block)
+        scores = shared.unpack(fixed_shape_bmm(shared.pack(q_blk[:, :live]), k_blk.mT))
+    else:
+        k_blk = _GatherBlocks.apply(kp, kv_block_of)
+        scores = fixed_shape_bmm(q_blk, k_blk.transpose(1, 2))  # fixed [Q_BLOCK, D] @ [D, split]
     scores = scores[:, :live].to(acc_dtype) * scale
     keys = sp_of[:, None] * split + torch.arange(split, device=dev)[None, :]
     scores = scores.masked_fill(keys[:, None, :] >= row_limit[:, :, None], float("-inf"))
@@ -301,11 +336,15 @@ def _attention_cpu(
 
     # Per-split fixed sums and partial outputs, reduced over splits by the dense grid's tree.
     denom = _SplitTreeSum.apply(fixed_sum(p, -1), pair, block_of, blocks, n_sp)
-    v_blk = _GatherBlocks.apply(vp, kv_block_of)
     p_blk = p.to(q.dtype)
-    if live < Q_BLOCK:  # the second GEMM keeps its fixed shape: padding rows back, as zeros
-        p_blk = F.pad(p_blk, (0, 0, 0, Q_BLOCK - live))
-    partial = fixed_shape_bmm(p_blk, v_blk)[:, :live].to(acc_dtype)  # [n_act, live, dv]
+    if shared is not None:
+        v_blk = _GatherBlocks.apply(vp, shared.kv_block)
+        partial = shared.unpack(fixed_shape_bmm(shared.pack(p_blk), v_blk)).to(acc_dtype)
+    else:
+        v_blk = _GatherBlocks.apply(vp, kv_block_of)
+        if live < Q_BLOCK:  # the second GEMM keeps its fixed shape: padding rows back, as zeros
+            p_blk = F.pad(p_blk, (0, 0, 0, Q_BLOCK - live))
+        partial = fixed_shape_bmm(p_blk, v_blk)[:, :live].to(acc_dtype)  # [n_act, live, dv]
     out = _SplitTreeSum.apply(partial, pair, block_of, blocks, n_sp) / denom[..., None]
     out = out.view(b, hkv, n_rb * live, dv)[:, :, :rows]
     return out.reshape(b, hq, tq, dv).to(q.dtype)
