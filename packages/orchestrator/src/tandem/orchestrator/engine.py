@@ -20,7 +20,9 @@ episodes (``update_mid_rollout``).
 With ``share_prefixes`` a turn whose tokens continue what another slot's cache already
 holds at the current version copies those keys, values and routes (`PrefixIndex`) instead
 of prefilling them: a GRPO group's samples compute their shared prompt once. Under
-``deterministic`` the copied rows are the ones the slot would compute, bit for bit.
+``deterministic`` the copied rows are the ones the slot would compute, bit for bit. The copies
+are recorded in the cache (`KVCache.origins`), so decoding then reads each shared KV split
+once per step for the whole group instead of once per sample.
 """
 
 from __future__ import annotations
