@@ -6,8 +6,9 @@ the shared prefix (the prompt, first call and file it returns: about 470 tokens 
 the others copy it (`KVCache.copy_prefix`, which records the copies in `KVCache.origins`),
 then every sample feeds its own continuation. Then times one-token decode steps of all rows
 with the model under `batch_invariant()`, interleaved, once with the recorded origins and
-once with them hidden (every row reads its own slot, as before origins existed), and checks
-that both give the same logits bit for bit. Printed: rows, (row, split) pairs each way,
+once with them hidden (every row reads its own slot: one gather and GEMM block per row and
+split, the work done without origins), and checks that both give the same logits bit for
+bit. Printed: rows, (row, split) pairs each way,
 median milliseconds per decode step, and the ratio.
 
     uv run python benchmarks/shared_splits.py [--groups 5] [--group-size 8] [--repeats 15]

@@ -144,7 +144,7 @@ def test_shared_blocks_hold_every_pair_once() -> None:
     assert blocks.shape == (4, 8, 3)
     assert torch.equal(packed.unpack(blocks), x)
     assert int((blocks != 0).any(-1).sum()) == 8 * 2  # the other rows are zero padding
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(MoEDeterminismError, match="do not fit"):
         SharedSplits.build(kv_block_of, live=9, block_rows=8)
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.moe_determinism.errors import MoEDeterminismError
+
 
 @dataclass(frozen=True)
 class SharedSplits:
@@ -38,7 +40,7 @@ class SharedSplits:
         live`` pairs per block; a split read by more pairs gets more blocks."""
         per_block = block_rows // live
         if per_block < 1:
-            raise ValueError(f"{live} live rows do not fit a block of {block_rows}")
+            raise MoEDeterminismError(f"{live} live rows do not fit a block of {block_rows}")
         splits, group = torch.unique(kv_block_of, return_inverse=True)
         counts = torch.bincount(group, minlength=splits.numel())
         order = torch.argsort(group, stable=True)
