@@ -7,7 +7,7 @@ import pytest
 
 from tandem.agent_env import generate_tasks
 from tandem.orchestrator.episode import Sample
-from tandem.orchestrator.evaluate import by_category, summarize
+from tandem.orchestrator.evaluate import EvalResult, by_category, paired_difference, summarize
 from tandem.orchestrator.tasks import task_category
 
 
@@ -51,6 +51,7 @@ def test_category_scores_match_a_count_by_hand() -> None:
     total = sum(c.tasks * c.pass_at_1 for c in result.by_category.values()) / len(per_task)
     assert total == pytest.approx(result.pass_at[1])
     assert summarize(per_task, (1,)).by_category == {}
+    assert result.solved == [2, 4, 0, 1, 0]
 
 
 def test_category_count_must_match_the_tasks() -> None:
@@ -63,3 +64,33 @@ def test_task_category_reads_function_and_bug_kind() -> None:
     for t in tasks:
         assert task_category(t) == f"gcd/{t.metadata['bug_kind']}"
     assert task_category(tasks[0], ("function", "no_such_field")) == "gcd/?"
+
+
+def _scored(solved: list[list[int]]) -> EvalResult:
+    return summarize([[_sample(bool(x)) for x in row] for row in solved], (1,))
+
+
+def test_paired_difference_matches_the_means_and_a_hand_computed_interval() -> None:
+    a = _scored([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]])
+    b = _scored([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
+
+    d = paired_difference([a], [b])
+
+    # per task: +0.5, 0, 0, +0.5 -> mean 0.25, sample sd sqrt(1/12), half 1.96 * sd / 2
+    assert d.tasks == 4
+    assert d.mean == pytest.approx(a.pass_at[1] - b.pass_at[1])
+    assert d.mean == pytest.approx(0.25)
+    half = 1.96 * (1 / 12) ** 0.5 / 2
+    assert (d.low, d.high) == (pytest.approx(0.25 - half), pytest.approx(0.25 + half))
+    # two runs of a side average task by task: the mean is the runs' mean difference
+    c = _scored([[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    two = paired_difference([a, c], [b])
+    assert two.mean == pytest.approx((a.pass_at[1] + c.pass_at[1]) / 2 - b.pass_at[1])
+
+
+def test_paired_difference_rejects_results_on_other_tasks() -> None:
+    a = _scored([[1, 0], [1, 1], [0, 0]])
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_difference([a], [_scored([[1, 0], [1, 1]])])
+    with pytest.raises(ValueError, match="at least one result"):
+        paired_difference([a], [])

@@ -34,6 +34,10 @@ class CategoryScore(msgspec.Struct, frozen=True):
 
 
 class EvalResult(msgspec.Struct, frozen=True):
+    """Scores of one policy on a task set. ``solved[i]``: how many of task i's samples were
+    resolved, in task order, so that two policies scored on the same tasks can be compared
+    task by task (a paired difference is far less noisy than two separate means)."""
+
     tasks: int
     samples_per_task: int
     pass_at: dict[int, float]
@@ -42,6 +46,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     mean_turns: float
     infra_faults: int
     by_category: dict[str, CategoryScore] = {}
+    solved: list[int] = []
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -51,6 +56,48 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+class PairedDifference(msgspec.Struct, frozen=True):
+    """pass@1 of policy A minus that of policy B on the same tasks: the mean over tasks of the
+    per-task difference, with a normal 95% interval over tasks (``low``, ``high``)."""
+
+    tasks: int
+    mean: float
+    low: float
+    high: float
+
+
+def paired_difference(a: Sequence[EvalResult], b: Sequence[EvalResult]) -> PairedDifference:
+    """pass@1 of ``a`` minus ``b``, paired task by task.
+
+    ``a`` and ``b`` hold one or more results each (runs of each policy, say one per benchmark
+    round), all scored on the same tasks in the same order; a task's difference is the mean
+    over ``a``'s runs of its pass@1 minus the mean over ``b``'s. Pairing removes what the
+    tasks share (an easy task is easy for both), leaving the noise of the samples and runs.
+    """
+    runs = [*a, *b]
+    if not a or not b:
+        raise ValueError("paired_difference needs at least one result on each side")
+    n_tasks = runs[0].tasks
+    for r in runs:
+        if r.tasks != n_tasks or len(r.solved) != n_tasks or r.samples_per_task < 1:
+            raise ValueError(
+                f"paired_difference needs results on the same tasks with per-task counts: "
+                f"got {r.tasks} tasks ({len(r.solved)} counts, {r.samples_per_task} samples "
+                f"each) against {n_tasks}"
+            )
+    if n_tasks < 2:
+        raise ValueError(f"paired_difference needs at least 2 tasks, got {n_tasks}")
+
+    def rate(side: Sequence[EvalResult], i: int) -> float:
+        return sum(r.solved[i] / r.samples_per_task for r in side) / len(side)
+
+    diffs = [rate(a, i) - rate(b, i) for i in range(n_tasks)]
+    mean = sum(diffs) / n_tasks
+    var = sum((d - mean) ** 2 for d in diffs) / (n_tasks - 1)
+    half = 1.96 * (var / n_tasks) ** 0.5
+    return PairedDifference(tasks=n_tasks, mean=mean, low=mean - half, high=mean + half)
 
 
 def by_category(
@@ -92,6 +139,7 @@ def summarize(
         mean_turns=turns / max(len(flat), 1),
         infra_faults=sum(s.infra_fault for s in flat),
         by_category={} if categories is None else by_category(per_task, categories),
+        solved=[sum(s.resolved for s in t) for t in per_task],
     )
 
 
