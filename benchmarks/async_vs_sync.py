@@ -22,9 +22,16 @@ both sides share this machine's cores and sandboxes.
 machine whose speed drifts slows every mode alike; the table gives the totals and the mean
 held-out pass@1, and a line each round's ratio.
 
+Every mode's policy is scored on the same held-out tasks, so the last lines compare them task
+by task: each mode's pass@1 minus sync's, a task's rounds averaged, with a 95% interval over
+the tasks (`paired_difference`). Two separate means of a few hundred episodes each differ
+by a point or two from sampling alone; the paired difference says whether a gap is more.
+
     uv run python benchmarks/async_vs_sync.py                       # policy: runs/demo/midtrained
     uv run python benchmarks/async_vs_sync.py --seconds 300 --max-staleness 2
     uv run python benchmarks/async_vs_sync.py --rounds 2 --eval-tasks 96   # modes in turn, twice
+    uv run python benchmarks/async_vs_sync.py --modes sync,async --rounds 2 --seconds 300 \
+        --eval-tasks 192                              # longer runs, 192 held-out tasks x 4
     uv run python benchmarks/async_vs_sync.py --set trainer.updates_per_step=3
     uv run python benchmarks/async_vs_sync.py --policy none --synthetic-reward   # no policy needed
 
@@ -104,6 +111,7 @@ def main() -> int:
     from tandem.app.logging import configure_logging
     from tandem.app.pipeline_config import PipelineConfig
     from tandem.orchestrator.allocator import reuse_freed_memory
+    from tandem.orchestrator.evaluate import EvalResult
     from tandem.orchestrator.pipeline import evaluate_policy, reinforce
     from tandem.orchestrator.policy import build_model, clone_model, load_policy
     from tandem.orchestrator.rl import RunHooks
@@ -142,6 +150,7 @@ def main() -> int:
     # Rounds alternate the modes (sync, async, sync, async, ...), each from the same policy,
     # so a machine whose speed drifts during the benchmark slows every mode alike.
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    evals: dict[str, list[EvalResult]] = {m: [] for m in modes}
     for _ in range(args.rounds):
         for mode in modes:
             rl = msgspec.structs.replace(
@@ -178,6 +187,7 @@ def main() -> int:
                 seed=cfg.run.seed,
             )
             shutil.rmtree(run_dir, ignore_errors=True)
+            evals[mode].append(held)
             results[mode].append(
                 {
                     "wall_s": wall,
@@ -193,6 +203,7 @@ def main() -> int:
             )
             torch.manual_seed(0)
     print_table(args, cfg, {m: combine(r) for m, r in results.items()}, results)
+    print_paired(evals)
     return 0
 
 
@@ -265,6 +276,23 @@ def print_table(
         f"overlap alone (sync: rollouts {s['idle']:.0%} of its time, training "
         f"{1 - s['idle']:.0%}) would give {1 / longer:.2f}x"
     )
+
+
+def print_paired(evals: dict[str, list[Any]]) -> None:
+    """Each mode's held-out pass@1 minus sync's, task by task over the same held-out tasks
+    (every round's result averaged per task), with a 95% interval over the tasks."""
+    from tandem.orchestrator.evaluate import paired_difference
+
+    if "sync" not in evals or len(evals["sync"][0].solved) < 2:
+        return
+    for mode in ("pipelined", "async"):
+        if mode in evals:
+            d = paired_difference(evals[mode], evals["sync"])
+            print(
+                f"held-out pass@1, {mode} - sync, paired over {d.tasks} tasks: "
+                f"{100 * d.mean:+.1f} points (95% interval {100 * d.low:+.1f} to "
+                f"{100 * d.high:+.1f})"
+            )
 
 
 if __name__ == "__main__":
