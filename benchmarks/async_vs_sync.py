@@ -30,7 +30,8 @@ by a point or two from sampling alone; the paired difference says whether a gap 
 By default it runs the comparison the target is about: sync and async, 300 s each, two
 rounds, every policy scored on 192 held-out tasks x 4 (about half an hour on two cores).
 Async, whose groups were played one or two versions back, needs about twice sync's steps to
-reach the level where both modes flatten out; 300 s gets both there, 180 s only sync.
+reach the level where both modes flatten out (sync by about its 8th step, async by its 16th,
+in the checkpoint curves the README quotes): 180 s gets only sync there, 300 s both.
 
     uv run python benchmarks/async_vs_sync.py                       # policy: runs/demo/midtrained
     uv run python benchmarks/async_vs_sync.py --modes sync,pipelined,async --rounds 1
