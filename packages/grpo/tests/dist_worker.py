@@ -66,6 +66,8 @@ def main(out: str, parallel: str) -> None:
     if accelerator.is_main_process:
         torch.save({"params": params, "metrics": metrics, "rows": local.num_sequences}, out)
     accelerator.wait_for_everyone()
+    # leave the group before exit: gloo's threads outliving the interpreter abort the process
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

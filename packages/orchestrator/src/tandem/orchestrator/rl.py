@@ -522,6 +522,8 @@ class RLRun:
             if self.trainer is not self.local_trainer:
                 self._fetch_policy()  # the run's result lives in this process's policy
                 self.trainer.close()
+            else:
+                self.publisher.close()  # its encode and upload threads
             if self._own_ray:
                 import ray
 

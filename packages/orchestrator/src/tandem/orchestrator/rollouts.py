@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from tandem.agent_env import Env, EnvConfig, SandboxError, Task
-from tandem.delta_sync import StoreError
+from tandem.delta_sync import StoreError, Subscriber
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.config import EngineConfig, EnvSettings
 from tandem.orchestrator.engine import InferenceEngine
@@ -139,7 +139,7 @@ class LocalRollouts:
     def __init__(
         self,
         engine: InferenceEngine,
-        subscriber: Any,
+        subscriber: Subscriber,
         tasks: Any,
         *,
         env: EnvSettings,
@@ -247,3 +247,4 @@ class LocalRollouts:
         await asyncio.gather(*self._tasks[1:], return_exceptions=True)
         self.server.close()
         await asyncio.gather(*self._tasks[:1], return_exceptions=True)
+        self.subscriber.close()  # its decode and download threads

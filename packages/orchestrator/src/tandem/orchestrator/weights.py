@@ -117,6 +117,10 @@ class WeightPublisher:
             log.warning("rl.publish_failed", version=version, failures=self.failures, error=str(e))
             return None
 
+    def close(self) -> None:
+        """Stop the delta-sync publisher's threads (started again on the next publish)."""
+        self.publisher.close()
+
     def subscriber(self, version: int | None) -> Subscriber:
         return Subscriber(self.store, version=version)
 
