@@ -50,6 +50,7 @@ from tandem.delta_sync import warm_up
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.backends import make_rollouts, ray_trainer
 from tandem.orchestrator.buffer import Group, StalenessBuffer
+from tandem.orchestrator.cancel import cancel_and_wait
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.checkpoint import CheckpointManager
 from tandem.orchestrator.config import (
@@ -511,9 +512,7 @@ class RLRun:
             bar.close()
             if self._next is not None:
                 own.append(self._next)
-            for task in own:
-                task.cancel()
-            await asyncio.gather(*own, return_exceptions=True)
+            await cancel_and_wait(own)
             await self.buffer.close()
             final = await self.rollouts.stats()
             t_end = time.perf_counter()
@@ -558,8 +557,7 @@ class RLRun:
                     [take, *background], return_when=asyncio.FIRST_COMPLETED
                 )
             except asyncio.CancelledError:
-                take.cancel()
-                await asyncio.gather(take, return_exceptions=True)
+                await cancel_and_wait([take])
                 raise
             if take in done:
                 return take.result()

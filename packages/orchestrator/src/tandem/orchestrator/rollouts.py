@@ -20,6 +20,7 @@ import structlog
 
 from tandem.agent_env import Env, EnvConfig, SandboxError, Task
 from tandem.delta_sync import StoreError, Subscriber
+from tandem.orchestrator.cancel import cancel_and_wait
 from tandem.orchestrator.chat_format import ChatFormat
 from tandem.orchestrator.config import EngineConfig, EnvSettings
 from tandem.orchestrator.engine import InferenceEngine
@@ -242,9 +243,7 @@ class LocalRollouts:
         )
 
     async def close(self) -> None:
-        for task in self._tasks[1:]:
-            task.cancel()
-        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        await cancel_and_wait(self._tasks[1:])
         self.server.close()
         await asyncio.gather(*self._tasks[:1], return_exceptions=True)
         self.subscriber.close()  # its decode and download threads
