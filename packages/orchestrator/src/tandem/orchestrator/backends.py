@@ -99,6 +99,7 @@ def ray_trainer(
         nice=rl.ray.trainer_nice,
     )
     optimizer = local.grpo.optimizer.state_dict() if resumed else None
+    reference = None if local.reference is None else state_for_sync(local.reference)
     remote = RayTrainer(
         spec,
         rl.ray,
@@ -106,6 +107,7 @@ def ray_trainer(
         version=local.policy_version,
         optimizer_state=optimizer,
         run_name=run_name,
+        reference=reference,
     )
     return started, remote
 

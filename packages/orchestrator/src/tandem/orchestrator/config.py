@@ -136,7 +136,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The GRPO settings the RL stage exposes (mapped onto `tandem.grpo.GRPOConfig`)."""
+    """The GRPO settings the RL stage exposes (mapped onto `tandem.grpo.GRPOConfig`).
+
+    ``kl_coef`` > 0 adds a KL penalty to the frozen policy the RL run started from (the
+    trainer keeps a copy). ``kl_estimator``: as a loss term, k2's gradient is the on-policy
+    gradient of KL(policy || reference), which pulls the policy back; k1's only lowers the
+    log-probs of the sampled tokens, and k3's is k2's to first order.
+    """
 
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
@@ -150,8 +156,19 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: int = 512
     std_normalize: bool = False
     kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
     micro_batch_size: int = 8
     max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+            value = getattr(self, name)
+            _require(0 <= value < float("inf"), name, "must be a finite number >= 0")
+        _require(self.clip_eps_low < 1, "clip_eps_low", "must be < 1")
+        _require(0 < self.is_cap < float("inf"), "is_cap", "must be a finite number > 0")
+        _require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _require(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -79,6 +79,7 @@ class TrainerRank:
         state: dict[str, torch.Tensor],
         version: int,
         optimizer_state: dict[str, Any] | None,
+        reference: dict[str, torch.Tensor] | None = None,
     ) -> None:
         from tandem.delta_sync import open_store
         from tandem.orchestrator.allocator import reuse_freed_memory
@@ -113,6 +114,7 @@ class TrainerRank:
             temperature=spec.temperature,
             rank=self.rank,
             world=self.world,
+            reference=reference,
         )
         if optimizer_state is not None:
             if self.trainer.fsdp and self.world > 1:
@@ -222,7 +224,10 @@ class RayTrainer:
         version: int,
         optimizer_state: dict[str, Any] | None,
         run_name: str,
+        reference: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``reference``: the KL penalty's reference weights (the driver's, which a resumed
+        run's ranks could not rebuild from the checkpointed weights they start from)."""
         import ray
 
         self.world = spec.trainer.processes
@@ -238,7 +243,10 @@ class RayTrainer:
         ]
         master = ray.get(self.ranks[0].master_address.remote())
         state_ref = ray.put(state)
-        _gather([r.setup.remote(master, state_ref, version, optimizer_state) for r in self.ranks])
+        ref = ray.put(reference) if reference is not None else None
+        _gather(
+            [r.setup.remote(master, state_ref, version, optimizer_state, ref) for r in self.ranks]
+        )
         self.policy_version = version
         self.reports: list[PublishReport] = []
         self.pending: int | None = None

@@ -13,6 +13,7 @@ trainer's *own* choice (a no-replay pass) with the engine's recorded experts.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -133,20 +134,42 @@ class _ReplayForward:
         self.share_prefixes = share_prefixes
         self.captured: list[_Pass] = []
 
-    def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
+    def logprobs(
+        self, model: torch.nn.Module, micro: RolloutBatch
+    ) -> tuple[torch.Tensor, int, int]:
+        """Log-probs [B, T] of ``micro`` under ``model``, the tokens fed, the tokens shared."""
         if self.share_prefixes:
             layout = SharedLayout(micro, match_routes=self.replay == "R3")
             lp = score_shared(model, micro, self.replay, self.temperature, layout)  # type: ignore[arg-type]
-            fed, shared = len(layout.tokens), layout.shared_tokens
-        else:
-            lp, _, counts = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
-            fed, shared = sum(counts), 0
+            return lp, len(layout.tokens), layout.shared_tokens
+        lp, _, counts = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
+        return lp, sum(counts), 0
+
+    def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
+        lp, fed, shared = self.logprobs(model, micro)
         self.captured.append(_Pass(micro.extras["row"], lp.detach(), fed, shared))
         return ForwardOutput(lp)
 
 
+def frozen_copy(model: MoETransformer, state: dict[str, torch.Tensor] | None) -> MoETransformer:
+    """A copy of ``model`` (with ``state`` loaded when given) that takes no gradient."""
+    reference = copy.deepcopy(model)
+    if state is not None:
+        reference.load_state_dict(state)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
 class RLTrainer:
-    """GRPO updates of an MoE policy with replay, importance correction and agreement checks."""
+    """GRPO updates of an MoE policy with replay, importance correction and agreement checks.
+
+    With ``loss.kl_coef`` > 0 the trainer keeps a frozen reference policy: ``reference`` when
+    given, else the weights ``model`` holds here (the run's starting policy; a resumed run
+    builds its trainer before it loads the checkpoint). Each step scores the batch with it,
+    under the same replay as the update, for GRPO's KL penalty, which keeps RL from drifting
+    far from what mid-training taught. The reference costs one more no-grad forward per step
+    and one more copy of the weights per rank.
+    """
 
     def __init__(
         self,
@@ -158,12 +181,15 @@ class RLTrainer:
         temperature: float = 1.0,
         rank: int = 0,
         world: int = 1,
+        reference: dict[str, torch.Tensor] | None = None,
     ) -> None:
         from accelerate import Accelerator, DistributedDataParallelKwargs
 
         self.config = config
         self.deterministic = deterministic
         self.model = model
+        # copied before sharding: every rank scores its share of the batch with whole weights
+        self.reference = frozen_copy(model, reference) if config.loss.kl_coef > 0 else None
         loss = config.loss
         self.grpo_config = GRPOConfig(
             clip_eps_low=loss.clip_eps_low,
@@ -174,6 +200,7 @@ class RLTrainer:
             max_tokens=loss.max_tokens,
             std_normalize=loss.std_normalize,
             kl_coef=loss.kl_coef,
+            kl_estimator=loss.kl_estimator,
             micro_batch_size=loss.micro_batch_size,
             max_grad_norm=loss.max_grad_norm,
         )
@@ -222,6 +249,8 @@ class RLTrainer:
         self.hook.captured.clear()
         same = (batch.policy_version == version) & (batch.extras["max_version"] == version)
         with batch_invariant(self.deterministic):
+            if self.reference is not None:
+                batch.ref_logprobs = self._reference_logprobs(batch)
             checks = self._routing_check(batch, same)  # before the update: same weights
             # one process stands in for `processes` ranks: the same sum, the same bits
             shards = self.config.processes if self.world == 1 else 1
@@ -237,6 +266,19 @@ class RLTrainer:
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in metrics.items()
         }
+
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The reference policy's log-probs [B, T] of ``batch``, micro-batch by micro-batch."""
+        assert self.reference is not None
+        out = torch.zeros_like(batch.rollout_logprobs)
+        device = next(self.reference.parameters()).device
+        size = self.config.loss.micro_batch_size
+        with torch.no_grad():
+            for start in range(0, batch.num_sequences, size):
+                rows = torch.arange(start, min(start + size, batch.num_sequences))
+                lp, _, _ = self.hook.logprobs(self.reference, batch.select(rows).to(device))
+                out[rows, : lp.shape[1]] = lp.to(out.device)
+        return out
 
     def _more_updates(self, batch: RolloutBatch, shards: int) -> dict[str, Any]:
         """Updates 2.. of a step on the same batch, the first pass's log-probs as the old
