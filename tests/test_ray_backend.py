@@ -6,7 +6,8 @@ rank publishes only its own shards) end with the
 same weights, bit for bit, as the same config on the ``local`` backend (the mode pins which
 weights play which group; the engine is batch-invariant, so where a group runs does not
 change its samples; the local trainer accumulates as two ranks would; the Ray run's
-sandboxes live in an environment-pool actor), and every actor's engine equals the trainer
+sandboxes live in an environment-pool actor; both trainers keep the KL penalty's reference
+policy), and every actor's engine equals the trainer
 after each step; an actor killed with SIGKILL in the middle of
 its groups is replaced and its groups are played again, with no partial group reaching the
 trainer; workers join (one catch-up pull) and leave (drained) while training runs, pulling
@@ -72,7 +73,12 @@ def _demo_run(run_dir: Path, rl: RLConfig, hooks: RunHooks) -> RLRun:
     return RLRun(
         build_model(cfg.model, ChatFormat().tok),
         rl=rl,
-        trainer=msgspec.structs.replace(cfg.trainer, processes=2),  # FSDP by default
+        # FSDP by default; a KL penalty, so every rank also scores with the reference policy
+        trainer=msgspec.structs.replace(
+            cfg.trainer,
+            processes=2,
+            loss=msgspec.structs.replace(cfg.trainer.loss, kl_coef=0.05),
+        ),
         engine=cfg.engine,
         env=msgspec.structs.replace(cfg.env, allow_unsandboxed=True),
         tasks=TaskSource(cfg.tasks, cfg.tasks.train_seed),
@@ -147,6 +153,9 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     assert sorted(remote.rollouts.assigned) == ["rollout-0", "rollout-1"]  # both played
     assert summary.trajectories == local_summary.trajectories
     assert summary.last_metrics["rollout_workers"] == 2
+    # the ranks' penalty against the reference: moved away from it, the same as one process
+    assert summary.last_metrics["kl"] == pytest.approx(local_summary.last_metrics["kl"], rel=1e-5)
+    assert summary.last_metrics["kl"] > 0
     assert 0 < summary.engine_busy_s <= summary.engine_s  # two engines' time in steps
     assert nices["trainer"] == [{19}, {19}]  # every thread of both ranks
     assert len(nices["engines"]) == 2 and all(max(n) < 19 for n in nices["engines"])

@@ -99,3 +99,18 @@ def test_dump_round_trips() -> None:
     assert again != cfg
     path_cfg = load_config(AppConfig, None, [f"run.seed={cfg.run.seed}", "logging.level=debug"])
     assert path_cfg == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.loss.kl_coef=-0.1", r"trainer\.loss: kl_coef: must be a finite number >= 0"),
+        ("trainer.loss.kl_estimator='k4'", r"trainer\.loss\.kl_estimator"),
+        ("trainer.loss.micro_batch_size=0", r"trainer\.loss: micro_batch_size: must be >= 1"),
+    ],
+)
+def test_bad_loss_settings_fail_when_the_config_loads(override: str, message: str) -> None:
+    from tandem.app.pipeline_config import PipelineConfig
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(PipelineConfig, None, [override])
