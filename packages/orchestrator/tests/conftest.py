@@ -145,3 +145,15 @@ def helpers():
     from types import SimpleNamespace
 
     return SimpleNamespace(drive=drive, observation=observation, prompt=prompt)
+
+
+@pytest.fixture
+def two_groups(chat: ChatFormat, tiny_policy, make_engine) -> list[list[Sample]]:
+    """Two GRPO groups of four samples of ``tiny_policy`` (rewards alternate 0 and 1)."""
+    episodes = [
+        (prompt(chat, f"task {g}"), [observation(chat, "1\tdef f(): pass")], 10 * g + i)
+        for g in range(2)
+        for i in range(4)
+    ]
+    samples = drive(make_engine(tiny_policy), chat, episodes)
+    return [samples[:4], samples[4:]]

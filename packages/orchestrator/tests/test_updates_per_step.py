@@ -9,27 +9,14 @@ from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.trainer import RLTrainer
 
 
-def _groups(chat, tiny_policy, make_engine, helpers):
-    p, obs = helpers.prompt, helpers.observation
-    episodes = [
-        (p(chat, f"task {g}"), [obs(chat, "1\tdef f(): pass")], 10 * g + i)
-        for g in range(2)
-        for i in range(4)
-    ]
-    samples = helpers.drive(make_engine(tiny_policy), chat, episodes)
-    return [samples[:4], samples[4:]]
-
-
 def _displacement(before, model) -> float:
     return float(
         sum((p.detach() - before[n]).square().sum() for n, p in model.named_parameters()).sqrt()
     )
 
 
-def test_second_update_uses_the_first_pass_as_old_policy(
-    chat, tiny_policy, make_engine, helpers
-) -> None:
-    groups = _groups(chat, tiny_policy, make_engine, helpers)
+def test_second_update_uses_the_first_pass_as_old_policy(tiny_policy, two_groups) -> None:
+    groups = two_groups
     before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters()}
     moved = {}
     for updates in (1, 2):

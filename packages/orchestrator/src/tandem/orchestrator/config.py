@@ -161,6 +161,8 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
+        # GRPOConfig's checks of these fields, here so that they fail when the config loads
+        # (this module stays free of torch, which tandem.grpo imports)
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
             value = getattr(self, name)
             _require(0 <= value < float("inf"), name, "must be a finite number >= 0")
