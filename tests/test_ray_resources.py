@@ -4,14 +4,17 @@ warning."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 import pytest
 import ray
+import structlog
 
 from tandem.orchestrator.backends import check_cluster_fits
 from tandem.orchestrator.config import ConfigValueError, RayConfig, RLConfig
+from tandem.orchestrator.ray_backend import connect
 from tandem.orchestrator.rl import RunHooks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -49,3 +52,21 @@ def test_a_joined_cluster_that_is_short_gets_a_warning_and_keeps_running() -> No
         assert ray.is_initialized()
     finally:
         ray.shutdown()
+
+
+def test_actors_log_at_the_drivers_level() -> None:
+    """A cluster started by the run gives its workers the driver's structlog level, so an
+    info line of every actor does not reach a driver that logs warnings only."""
+
+    @ray.remote
+    def worker_level() -> int:
+        return int(structlog.get_logger().bind().get_effective_level())
+
+    assert not ray.is_initialized()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    try:
+        assert connect(RayConfig(num_cpus=1))
+        assert ray.get(worker_level.remote()) == logging.WARNING
+    finally:
+        ray.shutdown()
+        structlog.reset_defaults()

@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,12 +69,31 @@ def connect(config: RayConfig) -> bool:
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False}
+    level = driver_log_level()
+    if level:
+        kwargs["runtime_env"] = {"worker_process_setup_hook": log_from(level)}
     if config.address:
         kwargs["address"] = config.address
     elif config.num_cpus:
         kwargs["num_cpus"] = config.num_cpus
     ray.init(**kwargs)
     return True
+
+
+def driver_log_level() -> int:
+    """The lowest level this process logs at (0 when its structlog does not filter)."""
+    bound = structlog.get_logger().bind()
+    return int(getattr(bound, "get_effective_level", lambda: 0)())
+
+
+def log_from(level: int) -> Callable[[], None]:
+    """A Ray worker setup hook that drops the events below ``level``: a worker's structlog
+    would otherwise print every info line of every actor to the driver's console."""
+
+    def setup_worker_logging() -> None:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+
+    return setup_worker_logging
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
