@@ -63,10 +63,11 @@ def test_actors_log_at_the_drivers_level() -> None:
         return int(structlog.get_logger().bind().get_effective_level())
 
     assert not ray.is_initialized()
+    saved = structlog.get_config()  # whatever earlier tests configured, given back after
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     try:
         assert connect(RayConfig(num_cpus=1))
         assert ray.get(worker_level.remote()) == logging.WARNING
     finally:
         ray.shutdown()
-        structlog.reset_defaults()
+        structlog.configure(**saved)
