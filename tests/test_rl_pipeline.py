@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from rl_helpers import ENGINE, TINY, WeightRecorder, parity, tiny_run
 
 from tandem.delta_sync import LocalStore, StoreError
@@ -38,9 +39,16 @@ from tandem.orchestrator.tasks import TaskSource
 def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
     sync = WeightRecorder()
     group_versions: list[int] = []
+    engine_threads: list[int] = []
+
+    def on_apply(version: int, state) -> None:
+        engine_threads.append(torch.get_num_threads())  # in the engine's thread
+        sync.on_apply(version, state)
+
+    threads_before = torch.get_num_threads()
     hooks = RunHooks(
         on_publish=sync.on_publish,
-        on_engine_update=sync.on_apply,
+        on_engine_update=on_apply,
         on_group=lambda g: group_versions.append(g.policy_version),
         reward=parity,
     )
@@ -53,10 +61,13 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         max_ahead=3,
         rollout_workers=3,
         checkpoint_every=3,
+        torch_threads=1,
     )
     summary = tiny_run(tmp_path, rl, hooks, check_rows=2).run()
 
     assert summary.steps_done == 3 and summary.policy_version == 3
+    assert engine_threads and set(engine_threads) == {1}
+    assert torch.get_num_threads() == threads_before
     assert sorted(sync.published) == [1, 2, 3]
     applied = sync.applied
     assert applied and all(applied.values()), applied  # engine == trainer, bit for bit

@@ -107,6 +107,7 @@ def test_dump_round_trips() -> None:
         ("trainer.loss.kl_coef=-0.1", r"trainer\.loss: kl_coef: must be a finite number >= 0"),
         ("trainer.loss.kl_estimator='k4'", r"trainer\.loss\.kl_estimator"),
         ("trainer.loss.micro_batch_size=0", r"trainer\.loss: micro_batch_size: must be >= 1"),
+        ("rl.torch_threads=-1", r"rl: torch_threads: must be >= 0"),
     ],
 )
 def test_bad_loss_settings_fail_when_the_config_loads(override: str, message: str) -> None:

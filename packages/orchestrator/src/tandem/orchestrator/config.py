@@ -301,6 +301,9 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     (0: max_staleness + 1, the bound that keeps drops rare). ``backend``: where the engines
     run, ``local`` (one in this process) or ``ray`` (rollout actors, see `RayConfig`).
     ``curriculum``: which tasks at the cursor are played (`CurriculumConfig`).
+    ``torch_threads``: torch's CPU threads in this process while the stage runs (0: torch's
+    default; Ray actors have ``ray.torch_threads``). With the local backend the engine and the
+    trainer are two threads of this process: on a 2-core machine 1 lets each have a core.
     """
 
     mode: Literal["async", "sync", "pipelined"] = "async"
@@ -316,6 +319,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keep_checkpoints: int = 2
     anchor_every: int = 20
     weights_store: str = ""
+    torch_threads: int = 0
     eval_tasks: int = 32
     eval_samples: int = 1
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
@@ -329,6 +333,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.rollout_workers >= 1, "rollout_workers", "must be >= 1")
         _require(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         _require(self.max_ahead >= 0, "max_ahead", "must be >= 0 (0: max_staleness + 1)")
+        _require(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0: torch's default)")
 
     @property
     def effective_max_ahead(self) -> int:

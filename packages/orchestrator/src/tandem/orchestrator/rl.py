@@ -73,6 +73,7 @@ from tandem.orchestrator.rollouts import (
 from tandem.orchestrator.run_metrics import RunSummary, step_metrics
 from tandem.orchestrator.step_log import StepProgress, log_step
 from tandem.orchestrator.tasks import TaskSource
+from tandem.orchestrator.threads import torch_threads
 from tandem.orchestrator.trainer import RLTrainer
 from tandem.orchestrator.weights import (
     WeightPublisher,
@@ -569,7 +570,7 @@ class RLRun:
 
     def run(self) -> RunSummary:
         """Run (or resume) to ``rl.steps`` steps; returns the run's summary."""
-        with batch_invariant(self.engine_cfg.deterministic):
+        with batch_invariant(self.engine_cfg.deterministic), torch_threads(self.rl.torch_threads):
             self._setup()
             if self.hooks.on_engine_update is not None:
                 if not isinstance(self.rollouts, LocalRollouts):

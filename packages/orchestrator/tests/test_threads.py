@@ -1,0 +1,37 @@
+"""torch's thread count for a stage: set inside the block, restored after, checked."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tandem.orchestrator.threads import torch_threads
+
+
+def test_the_count_holds_inside_and_is_restored_after() -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    with torch_threads(1):
+        seen.append(torch.get_num_threads())
+        # a thread started inside the block (as the engine's and trainer's are) runs with it
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+    assert seen == [1, 1]
+    assert torch.get_num_threads() == before
+    with torch_threads(0):
+        assert torch.get_num_threads() == before
+
+
+def test_the_count_is_restored_when_the_block_fails() -> None:
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="boom"), torch_threads(1):
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
+
+
+def test_a_negative_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="count must be >= 0"), torch_threads(-2):
+        pass
