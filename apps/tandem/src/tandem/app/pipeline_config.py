@@ -40,8 +40,8 @@ class DemoSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The demo's wall-clock plan: mid-training gets at most ``midtrain_budget_s``; RL gets
     what is left of ``time_budget_s`` after reserving time for the final evaluation."""
 
-    time_budget_s: float = 840.0
-    midtrain_budget_s: float = 330.0
+    time_budget_s: float = 780.0
+    midtrain_budget_s: float = 360.0
 
     def __post_init__(self) -> None:
         if self.time_budget_s <= 0 or self.midtrain_budget_s <= 0:
