@@ -34,6 +34,7 @@ from tandem.orchestrator.config import CurriculumConfig, EnvSettings, RLConfig, 
 from tandem.orchestrator.metrics import read_metrics
 from tandem.orchestrator.rl import RunHooks
 from tandem.orchestrator.tasks import TaskSource
+from tandem.orchestrator.threads import torch_threads
 
 
 def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
@@ -45,7 +46,6 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         engine_threads.append(torch.get_num_threads())  # in the engine's thread
         sync.on_apply(version, state)
 
-    threads_before = torch.get_num_threads()
     hooks = RunHooks(
         on_publish=sync.on_publish,
         on_engine_update=on_apply,
@@ -63,11 +63,12 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         checkpoint_every=3,
         torch_threads=1,
     )
-    summary = tiny_run(tmp_path, rl, hooks, check_rows=2).run()
+    with torch_threads(2):  # a count other than the run's, whatever this machine's default
+        summary = tiny_run(tmp_path, rl, hooks, check_rows=2).run()
+        assert torch.get_num_threads() == 2  # given back after the run
 
     assert summary.steps_done == 3 and summary.policy_version == 3
     assert engine_threads and set(engine_threads) == {1}
-    assert torch.get_num_threads() == threads_before
     assert sorted(sync.published) == [1, 2, 3]
     applied = sync.applied
     assert applied and all(applied.values()), applied  # engine == trainer, bit for bit
