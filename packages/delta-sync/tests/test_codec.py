@@ -13,11 +13,20 @@ from tandem.delta_sync import (
     DeltaSyncError,
     IntegrityError,
     apply_delta,
-    codec,
     decode_full,
     encode_delta,
     encode_full,
 )
+from tandem.delta_sync.codec.chunk import (
+    encode_chunk,
+    encode_dense,
+    encode_sparse,
+    pack_small,
+    unpack_small,
+    unzigzag,
+    zigzag,
+)
+from tandem.delta_sync.codec.frames import MODE_NAMES, RAW, SPARSE_MAX_FRACTION, XOR
 from tandem.delta_sync.tensors import view_of
 
 DTYPES = [
@@ -101,8 +110,8 @@ def test_full_round_trip_is_bit_exact(pair) -> None:
 def test_zigzag_inverts_and_maps_small_differences_to_small_codes(width, diffs) -> None:
     u = np.dtype(f"u{width}")
     d = np.array(diffs, np.int64).astype(f"i{width}").view(u)
-    z = codec.zigzag(d)
-    assert np.array_equal(codec.unzigzag(z), d)
+    z = zigzag(d)
+    assert np.array_equal(unzigzag(z), d)
     # independent formula: 2|x| - (x < 0)
     x = np.array(diffs, np.int64).astype(f"i{width}").astype(np.int64)
     assert np.array_equal(
@@ -113,8 +122,8 @@ def test_zigzag_inverts_and_maps_small_differences_to_small_codes(width, diffs) 
 @given(st.lists(st.integers(0, 2**16 - 1), max_size=99))
 def test_pack_small_round_trip(values) -> None:
     v = np.array(values, np.uint16)
-    packed, escapes = codec.pack_small(v)
-    low = codec.unpack_small(packed, v.size).astype(np.uint16)
+    packed, escapes = pack_small(v)
+    low = unpack_small(packed, v.size).astype(np.uint16)
     low[low == 3] += escapes
     assert np.array_equal(low, v)
     assert packed.size == (v.size + 3) // 4
@@ -134,22 +143,22 @@ def test_each_mode_is_chosen_where_it_is_smallest() -> None:
         if kind == "reset":
             bits[:] = 0x3F80  # every weight reset to 1.0
         n = view_of("n", bits.view(ml_dtypes.bfloat16))
-        enc, changed = codec.encode_chunk(n, b, 0, bits.size, 1)
+        enc, changed = encode_chunk(n, b, 0, bits.size, 1)
         assert changed == int(np.count_nonzero(bits != base.view(np.uint16)))
         if enc is None:
             assert changed == 0
             seen.add("unchanged")
             continue
-        seen.add(codec.MODE_NAMES[enc.mode])
+        seen.add(MODE_NAMES[enc.mode])
         # an independent size for every candidate that could apply
         idx = np.flatnonzero(bits != base.view(np.uint16))
         sizes = {
-            "xor": codec.encode_dense(0, bits ^ base.view(np.uint16), codec.XOR, 1).nbytes,
-            "raw": codec.encode_dense(0, bits, codec.RAW, 1).nbytes,
+            "xor": encode_dense(0, bits ^ base.view(np.uint16), XOR, 1).nbytes,
+            "raw": encode_dense(0, bits, RAW, 1).nbytes,
         }
-        if idx.size <= codec.SPARSE_MAX_FRACTION * bits.size:
+        if idx.size <= SPARSE_MAX_FRACTION * bits.size:
             old = base.view(np.uint16)[idx]
-            sizes["sparse"] = codec.encode_sparse(0, idx, old, bits[idx], 1).nbytes
+            sizes["sparse"] = encode_sparse(0, idx, old, bits[idx], 1).nbytes
         assert enc.nbytes <= min(sizes.values()), (density, enc.mode, sizes)
     assert seen == {"unchanged", "sparse", "xor", "raw"}
 

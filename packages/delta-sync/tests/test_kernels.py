@@ -11,7 +11,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.delta_sync import IntegrityError, apply_delta, codec, encode_delta, sparse
+from tandem.delta_sync import IntegrityError, apply_delta, encode_delta
+from tandem.delta_sync.codec import sparse
+from tandem.delta_sync.codec.chunk import (
+    decode_sparse,
+    decode_sparse_reference,
+    encode_chunk,
+    encode_sparse,
+    unpack_small,
+)
+from tandem.delta_sync.codec.frames import ChunkRecord, EncodedChunk
+from tandem.delta_sync.codec.sparse import (
+    SparseStreams,
+    apply_streams,
+    apply_streams_hashed,
+    decompress_sparse,
+    encode_sparse_scan,
+    sparse_limit,
+)
 
 FLOATS = {
     1: [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
@@ -60,15 +77,15 @@ def chunks(draw):
     return old, new
 
 
-def _reference(old: np.ndarray, new: np.ndarray) -> codec.EncodedChunk | None:
+def _reference(old: np.ndarray, new: np.ndarray) -> EncodedChunk | None:
     idx = np.flatnonzero(new != old)
     if not idx.size:
         return None
-    return codec.encode_sparse(0, idx, old[idx], new[idx], 1)
+    return encode_sparse(0, idx, old[idx], new[idx], 1)
 
 
-def _record(enc: codec.EncodedChunk) -> tuple[codec.ChunkRecord, list[memoryview]]:
-    rec = codec.ChunkRecord(
+def _record(enc: EncodedChunk) -> tuple[ChunkRecord, list[memoryview]]:
+    rec = ChunkRecord(
         0, enc.chunk, enc.mode, enc.count, enc.gap_width, enc.value_width,
         [len(f) for f in enc.frames],
     )  # fmt: skip
@@ -83,10 +100,10 @@ def test_scan_matches_the_numpy_encoding_byte_for_byte(chunk, advance, part_byte
     base = old.copy()
     saved, sparse.SCAN_PART_BYTES = sparse.SCAN_PART_BYTES, part_bytes
     try:
-        enc, k = codec.encode_sparse_scan(0, new, base, 1, advance=advance)
+        enc, k = encode_sparse_scan(0, new, base, 1, advance=advance)
     finally:
         sparse.SCAN_PART_BYTES = saved
-    if k_true > codec.sparse_limit(new.size):
+    if k_true > sparse_limit(new.size):
         assert (enc, k) == (None, -1)
         assert np.array_equal(base, old)  # left (or put back) exactly as it was
         return
@@ -104,15 +121,15 @@ def test_compiled_decode_and_patch_match_the_numpy_decoder(chunk) -> None:
         return
     rec, frames = _record(enc)
     w = old.itemsize
-    idx_ref, diff_ref = codec.decode_sparse_reference(rec, frames, old.size, w, "t")
-    idx, diff = codec.decode_sparse(rec, frames, old.size, w, "t")
+    idx_ref, diff_ref = decode_sparse_reference(rec, frames, old.size, w, "t")
+    idx, diff = decode_sparse(rec, frames, old.size, w, "t")
     assert np.array_equal(idx, idx_ref) and diff.dtype == diff_ref.dtype
     assert np.array_equal(diff, diff_ref)
-    streams = codec.decompress_sparse(rec, frames, old.size, w, "t")
+    streams = decompress_sparse(rec, frames, old.size, w, "t")
     cur = old.copy()
-    codec.apply_streams(cur, streams)
+    apply_streams(cur, streams)
     assert cur.tobytes() == new.tobytes()
-    codec.apply_streams(cur, streams, negate=True)
+    apply_streams(cur, streams, negate=True)
     assert cur.tobytes() == old.tobytes()
 
 
@@ -128,10 +145,10 @@ def test_every_special_value_transition_round_trips(width) -> None:
     new = old.copy()
     pos = np.arange(keep.sum()) * 97 + 13
     old[pos], new[pos] = a[keep], b[keep]
-    enc, k = codec.encode_sparse_scan(0, new, old.copy(), 1)
+    enc, k = encode_sparse_scan(0, new, old.copy(), 1)
     assert k == pos.size and enc == _reference(old, new)
     cur = old.copy()
-    codec.apply_streams(cur, codec.decompress_sparse(*_record(enc), n, width, "t"))
+    apply_streams(cur, decompress_sparse(*_record(enc), n, width, "t"))
     assert cur.tobytes() == new.tobytes()
 
 
@@ -139,15 +156,15 @@ def test_malformed_sparse_streams_raise_before_writing() -> None:
     old = np.zeros(4000, np.uint16)
     new = old.copy()
     new[[5, 900, 3999]] = [1, 0xFFFF, 7]
-    rec, frames = _record(codec.encode_sparse_scan(0, new, old.copy(), 1)[0])
+    rec, frames = _record(encode_sparse_scan(0, new, old.copy(), 1)[0])
     with pytest.raises(IntegrityError, match="beyond chunk"):
-        codec.decompress_sparse(rec, frames, 3999, 2, "t")
+        decompress_sparse(rec, frames, 3999, 2, "t")
     fields = [getattr(rec, f) for f in rec.__struct_fields__]
-    no_escapes = codec.ChunkRecord(*fields[:5], 0, rec.frames[:-1])  # drop the escape plane
+    no_escapes = ChunkRecord(*fields[:5], 0, rec.frames[:-1])  # drop the escape plane
     with pytest.raises(IntegrityError, match="escape"):
-        codec.decompress_sparse(no_escapes, frames[:-1], 4000, 2, "t")
+        decompress_sparse(no_escapes, frames[:-1], 4000, 2, "t")
     with pytest.raises(IntegrityError, match="frames"):
-        codec.decompress_sparse(rec, frames[:-1], 4000, 2, "t")
+        decompress_sparse(rec, frames[:-1], 4000, 2, "t")
 
 
 def test_read_only_states_encode_and_the_base_is_never_written() -> None:
@@ -209,7 +226,8 @@ def test_warm_up_readies_the_kernels_a_pull_will_call() -> None:
     """In a fresh process no kernel is ready; after warm_up((4,)) the 4-byte patch kernel is
     (compiled, or loaded from numba's cache), and warm_up checked its own round trips."""
     script = (
-        "from tandem.delta_sync import kernels, warm_up\n"
+        "from tandem.delta_sync import warm_up\n"
+        "from tandem.delta_sync.codec import kernels\n"
         "before = len(kernels.sparse_apply_part.signatures)\n"
         "warm_up((4,))\n"
         "print(before, [str(s[0]) for s in kernels.sparse_apply_part.signatures])\n"
@@ -225,18 +243,18 @@ def test_warm_up_readies_the_kernels_a_pull_will_call() -> None:
 @given(st.binary(min_size=0, max_size=300), st.integers(0, 3))
 def test_escape_count_reads_only_the_first_k_codes(data, cut) -> None:
     """The byte-wise count equals a code-by-code count, whatever the padding bits hold."""
-    from tandem.delta_sync import kernels
+    from tandem.delta_sync.codec import kernels
 
     packed = np.frombuffer(data, np.uint8)
     k = max(0, 4 * packed.size - cut)
-    codes = codec.unpack_small(packed, k) if packed.size else np.zeros(0, np.uint8)
+    codes = unpack_small(packed, k) if packed.size else np.zeros(0, np.uint8)
     assert kernels.count_escapes(packed, k) == int(np.count_nonzero(codes == 3))
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.binary(min_size=0, max_size=2000))
 def test_last_position_without_a_high_part_is_the_sum_of_the_gaps(data) -> None:
-    from tandem.delta_sync import kernels
+    from tandem.delta_sync.codec import kernels
 
     glow = np.frombuffer(data, np.uint8)
     empty = np.frombuffer(b"", np.uint8)
@@ -262,7 +280,7 @@ def test_chunk_digest_fed_during_the_scan_equals_a_separate_pass(density, advanc
         {"new": new.view(ml_dtypes.bfloat16), "old": old.copy().view(ml_dtypes.bfloat16)}
     )
     h = xxhash.xxh3_128()
-    _, k = codec.encode_chunk(views["new"], views["old"], 0, n, 1, advance_base=advance, hasher=h)
+    _, k = encode_chunk(views["new"], views["old"], 0, n, 1, advance_base=advance, hasher=h)
     assert k == int(np.count_nonzero(new != old))
     assert h.digest() == chunk_digest(new)
     assert np.array_equal(views["old"].flat, new if advance else old)
@@ -279,17 +297,17 @@ def test_patching_part_by_part_equals_patching_whole_and_hashing(first, second) 
     if second[0].dtype != old.dtype or second[0].size != old.size:
         return
     new = mid + (second[1] - second[0])  # a second step over the same chunk
-    steps: list[codec.SparseStreams] = []
+    steps: list[SparseStreams] = []
     for a, b in ((old, mid), (mid, new)):
         enc = _reference(a, b)
         if enc is not None:
-            steps.append(codec.decompress_sparse(*_record(enc), old.size, old.itemsize, "t"))
+            steps.append(decompress_sparse(*_record(enc), old.size, old.itemsize, "t"))
     for part_bytes in (sparse.SCAN_PART_BYTES, 256):  # one part; many, of 64+ elements
         cur = old.copy()
         h = xxhash.xxh3_128()
         saved, sparse.SCAN_PART_BYTES = sparse.SCAN_PART_BYTES, part_bytes
         try:
-            codec.apply_streams_hashed(cur, steps, h)
+            apply_streams_hashed(cur, steps, h)
         finally:
             sparse.SCAN_PART_BYTES = saved
         assert cur.tobytes() == new.tobytes()

@@ -14,7 +14,7 @@ numpy arrays and torch tensors (CPU or CUDA) are both accepted.
 
 from importlib.metadata import version as _version
 
-from tandem.delta_sync.codec import warm_up
+from tandem.delta_sync.codec.sparse import warm_up
 from tandem.delta_sync.delta import apply_delta, decode_full, encode_delta, encode_full
 from tandem.delta_sync.errors import (
     BaseMismatchError,

@@ -18,12 +18,13 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from tandem.delta_sync.codec.container import ShardBuilder
+from tandem.delta_sync.codec.encoder import encode_state, tensor_infos
+from tandem.delta_sync.codec.patch import apply_patch, check_targets, stage
 from tandem.delta_sync.dtypes import numpy_dtype
-from tandem.delta_sync.encoder import encode_state, tensor_infos
 from tandem.delta_sync.errors import DeltaSyncError, IntegrityError
 from tandem.delta_sync.manifest import TensorInfo
 from tandem.delta_sync.parallel import default_workers
-from tandem.delta_sync.patch import apply_patch, check_targets, stage
 from tandem.delta_sync.tensors import views_of
 
 BLOB_MAGIC = b"TDSB"
@@ -81,8 +82,6 @@ def _encode(
         )
     base_info = None if base_v is None else tensor_infos(base_v, stats.base_digests)
     if not shards:  # nothing changed at all: an empty shard keeps the format uniform
-        from tandem.delta_sync.container import ShardBuilder
-
         shards.append(ShardBuilder().finish())
     meta = BlobMeta(
         "delta" if base is not None else "full",

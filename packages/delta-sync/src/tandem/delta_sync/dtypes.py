@@ -1,10 +1,13 @@
 """Supported element types and the unsigned integer view each one is diffed in.
 
 Every tensor is handled as the raw bit patterns of its elements (uint8/16/32/64), so the
-delta is exact for -0.0, inf, NaN payloads and subnormals alike.
+delta is exact for -0.0, inf, NaN payloads and subnormals alike. Names and integer views
+of torch tensors too, without importing torch unless it is handed a torch tensor.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -63,3 +66,16 @@ def numpy_dtype(name: str) -> np.dtype:
 
 def itemsize(name: str) -> int:
     return numpy_dtype(name).itemsize
+
+
+def torch_dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def torch_int_view(t: Any) -> Any:
+    """The same storage seen as a signed integer tensor of the same width."""
+    import torch
+
+    width = t.element_size()
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    return t if t.dtype == int_dtype else t.view(int_dtype)

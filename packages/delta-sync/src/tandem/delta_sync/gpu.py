@@ -5,7 +5,7 @@ positions and values of changed elements to the host (plus whole chunks for the 
 chunks); the subscriber uploads only the staged patch and applies it with an indexed add
 on the GPU. Digests are xxh3 on the host, so verification streams each chunk to the host.
 
-Imported only when a CUDA tensor is seen (torch is then already imported by the caller).
+torch is imported only when a CUDA tensor is handled (the caller has then imported it).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from tandem.delta_sync.dtypes import UINT_BY_WIDTH, numpy_dtype
+from tandem.delta_sync.dtypes import UINT_BY_WIDTH, numpy_dtype, torch_dtype_name, torch_int_view
 from tandem.delta_sync.errors import DeltaSyncError
-from tandem.delta_sync.tensors import TensorView, torch_dtype_name, torch_int_view
+from tandem.delta_sync.tensor_view import TensorView
 
 
 def _host_int(values: np.ndarray) -> np.ndarray:

@@ -7,16 +7,23 @@ offers one or more *payloads* that produce the version from a given base:
 * ``full``   : every chunk raw (an anchor; needs no base),
 * ``delta``  : changes against ``base_version`` (the previous version: the step delta; or
   the version's anchor: the catch-up delta, so a far-behind reader needs anchor + one delta).
+
+A stream's `latest` pointer names its newest committed version; it is written after that
+version's manifest, so a reader that finds it finds the manifest too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from tandem.delta_sync.errors import DeltaSyncError, IntegrityError
+from tandem.delta_sync.dtypes import itemsize
+from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundError
+
+if TYPE_CHECKING:  # for annotations only: the stores package imports this module
+    from tandem.delta_sync.stores.base import Store
 
 MANIFEST_FORMAT = 1
 LATEST_KEY = "latest"
@@ -108,8 +115,6 @@ class Manifest(msgspec.Struct, frozen=True):
 
     @property
     def dense_bytes(self) -> int:
-        from tandem.delta_sync.dtypes import itemsize
-
         n = 0
         for t in self.tensors().values():
             k = itemsize(t.dtype)
@@ -170,3 +175,11 @@ def decode_latest(data: bytes) -> Latest:
         return msgspec.json.decode(data, type=Latest)
     except msgspec.DecodeError as e:
         raise IntegrityError(f"unreadable `latest` pointer ({e})") from None
+
+
+def read_latest(store: Store) -> Latest | None:
+    """The store's `latest` pointer; None before anything was published to it."""
+    try:
+        return decode_latest(store.get(LATEST_KEY))
+    except NotFoundError:
+        return None

@@ -16,9 +16,9 @@ from typing import Any
 
 import structlog
 
-from tandem.delta_sync.container import shard_digest, shard_key
-from tandem.delta_sync.encoder import encode_state, tensor_infos
-from tandem.delta_sync.errors import DeltaSyncError, NotFoundError, StoreError
+from tandem.delta_sync.codec.container import shard_digest, shard_key
+from tandem.delta_sync.codec.encoder import encode_state, tensor_infos
+from tandem.delta_sync.errors import DeltaSyncError, StoreError
 from tandem.delta_sync.group import (
     await_commit,
     check_group,
@@ -27,31 +27,25 @@ from tandem.delta_sync.group import (
     write_part,
 )
 from tandem.delta_sync.manifest import (
-    LATEST_KEY,
     Latest,
     Manifest,
     Part,
     PartRecord,
     Payload,
     ShardRef,
-    decode_latest,
     manifest_key,
+    read_latest,
 )
 from tandem.delta_sync.parallel import KeptPool, default_workers
 from tandem.delta_sync.reports import PayloadReport, PublishReport
 from tandem.delta_sync.stores.base import Store
-from tandem.delta_sync.tensors import TensorView, view_of, views_of
+from tandem.delta_sync.subscriber import Subscriber
+from tandem.delta_sync.tensor_view import TensorView
+from tandem.delta_sync.tensors import view_of, views_of
 
 log = structlog.get_logger()
 
 Progress = Callable[[str, int], None]  # (phase, bytes just done)
-
-
-def read_latest(store: Store) -> Latest | None:
-    try:
-        return decode_latest(store.get(LATEST_KEY))
-    except NotFoundError:
-        return None
 
 
 class Publisher:
@@ -134,8 +128,6 @@ class Publisher:
         if latest is None:
             self._resumed = True
             return
-        from tandem.delta_sync.subscriber import Subscriber
-
         parts = None if self.group is None else [self.part]  # a rank rebuilds its own tensors
         sub = Subscriber(self.store, workers=self.workers, parts=parts)
         try:
@@ -144,7 +136,7 @@ class Publisher:
             sub.close()
         self._resumed = True
 
-    def _rebuild(self, sub: Any, latest: Latest) -> None:
+    def _rebuild(self, sub: Subscriber, latest: Latest) -> None:
         log.info("delta_sync.publisher_resume", version=latest.version)
         m = sub.manifest(latest.version)
         self._prev = {n: view_of(n, a) for n, a in sub.materialize(latest.version).items()}

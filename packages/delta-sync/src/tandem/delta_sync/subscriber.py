@@ -21,13 +21,12 @@ from typing import Any
 import numpy as np
 import structlog
 
-from tandem.delta_sync.container import shard_digest
+from tandem.delta_sync.codec.container import shard_digest
+from tandem.delta_sync.codec.patch import StagedPatch, apply_patch, check_targets, stage
 from tandem.delta_sync.dtypes import numpy_dtype
 from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundError, StoreError
-from tandem.delta_sync.manifest import Manifest, decode_manifest, manifest_key
+from tandem.delta_sync.manifest import Manifest, decode_manifest, manifest_key, read_latest
 from tandem.delta_sync.parallel import KeptPool, default_workers, ordered_map
-from tandem.delta_sync.patch import StagedPatch, apply_patch, check_targets, stage
-from tandem.delta_sync.publisher import read_latest
 from tandem.delta_sync.reports import PullReport
 from tandem.delta_sync.stores.base import Store
 from tandem.delta_sync.tensors import views_of

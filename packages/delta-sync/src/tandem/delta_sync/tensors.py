@@ -1,61 +1,36 @@
 """Uniform access to numpy arrays and torch tensors as flat vectors of bit patterns.
 
-The codec only ever sees unsigned integer views (uint8/16/32/64). Torch is never imported
-here: a tensor is recognised by the module its type comes from, and torch is only touched
-for objects that already are torch tensors (so the caller has imported it). CUDA tensors
-are handed to `tandem.delta_sync.gpu`, which diffs and patches them on the device.
+`view_of` wraps each in a `TensorView`, the interface the codec reads and patches tensors
+through: a `HostTensor` (here) for host memory, a `CudaTensor` (`tandem.delta_sync.gpu`,
+diffed and patched on the device) for a CUDA tensor. The codec only ever sees unsigned
+integer views (uint8/16/32/64). Torch is never imported here: a tensor is recognised by
+the module its type comes from, and torch is only touched for objects that already are
+torch tensors (so the caller has imported it). Also here: how a tensor is cut into chunks,
+and the digests computed over them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import xxhash
 
-from tandem.delta_sync.dtypes import UINT_BY_WIDTH, dtype_name_of_numpy, numpy_dtype
+from tandem.delta_sync.dtypes import (
+    UINT_BY_WIDTH,
+    dtype_name_of_numpy,
+    numpy_dtype,
+    torch_dtype_name,
+    torch_int_view,
+)
 from tandem.delta_sync.errors import DeltaSyncError
+from tandem.delta_sync.gpu import CudaTensor
+from tandem.delta_sync.tensor_view import TensorView
 
 
 def is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.split(".", 1)[0] == "torch" and hasattr(x, "dtype")
-
-
-class TensorView(Protocol):
-    """What the encoder and the patcher need from one tensor, wherever it lives."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    numel: int
-    itemsize: int
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Host bit patterns of elements [start, stop) (a view when already on the host)."""
-        ...
-
-    def changed(self, base: TensorView, start: int, stop: int) -> np.ndarray:
-        """Positions (relative to start, int64, ascending) where self differs from base."""
-        ...
-
-    def gather(self, start: int, idx: np.ndarray) -> np.ndarray:
-        """Host bit patterns at positions start + idx."""
-        ...
-
-    def write(self, start: int, values: np.ndarray) -> None: ...
-
-    def scatter(self, start: int, idx: np.ndarray, values: np.ndarray) -> None: ...
-
-    def add_at(self, start: int, idx: np.ndarray, diff: np.ndarray) -> None:
-        """Bit patterns at start + idx += diff, modulo 2^bits (idx unique, ascending)."""
-        ...
-
-    def xor_at(self, start: int, values: np.ndarray) -> None: ...
-
-    def snapshot(self) -> TensorView:
-        """An independent copy on the same device (the publisher's base for the next step)."""
-        ...
 
 
 class HostTensor:
@@ -91,7 +66,7 @@ class HostTensor:
             self.flat[start : start + int(idx[-1]) + 1][idx] = values
 
     def add_at(self, start: int, idx: np.ndarray, diff: np.ndarray) -> None:
-        from tandem.delta_sync import kernels  # numba: imported on first use
+        from tandem.delta_sync.codec import kernels  # numba: imported on first use
 
         if idx.size:
             stop = start + int(idx[-1]) + 1  # idx ascending: its last is the largest
@@ -116,8 +91,6 @@ def view_of(name: str, x: Any, *, writable: bool = False) -> TensorView:
     """Wrap a numpy array or torch tensor; `writable` views must alias the caller's memory."""
     if is_torch_tensor(x):
         if x.device.type == "cuda":
-            from tandem.delta_sync.gpu import CudaTensor
-
             return CudaTensor.wrap(name, x, writable=writable)
         return _torch_cpu_view(name, x, writable)
     if isinstance(x, np.ndarray):
@@ -140,19 +113,6 @@ def _numpy_view(name: str, arr: np.ndarray, writable: bool) -> HostTensor:
         raise DeltaSyncError(f"tensor {name!r} is read-only; cannot apply a delta in place")
     flat = arr.reshape(-1).view(UINT_BY_WIDTH[arr.itemsize])
     return HostTensor(name, dtype, tuple(int(s) for s in arr.shape), flat)
-
-
-def torch_dtype_name(t: Any) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def torch_int_view(t: Any) -> Any:
-    """The same storage seen as a signed integer tensor of the same width."""
-    import torch
-
-    width = t.element_size()
-    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
-    return t if t.dtype == int_dtype else t.view(int_dtype)
 
 
 def _torch_cpu_view(name: str, t: Any, writable: bool) -> HostTensor:

@@ -21,7 +21,7 @@ import time
 import msgspec
 import structlog
 
-from tandem.delta_sync.container import shard_digest
+from tandem.delta_sync.codec.container import shard_digest
 from tandem.delta_sync.errors import IntegrityError, NotFoundError, StoreError
 from tandem.delta_sync.manifest import LATEST_KEY, decode_manifest
 from tandem.delta_sync.stores.base import Store, check_key

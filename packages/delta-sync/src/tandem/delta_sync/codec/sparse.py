@@ -1,25 +1,25 @@
 """The sparse chunk encoding through the compiled kernels: scan and encode a chunk, then
 decompress and check it, and patch (and hash) a chunk with it.
 
-Byte-identical to the whole-array numpy definition in `codec` (encode_sparse,
+Byte-identical to the whole-array numpy definition in `chunk` (encode_sparse,
 decode_sparse_reference), which the tests hold these to. A chunk is scanned and patched
 in parts of SCAN_PART_BYTES, each hashed right after, while it is still in a core's cache,
 so neither publishing nor applying a delta reads the model from memory a second time to
-compute the digests of the new version.
+compute the digests of the new version. `warm_up` readies the kernels ahead of first use.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 import numpy as np
+import xxhash
 
-from tandem.delta_sync.dtypes import UINT_BY_WIDTH
-from tandem.delta_sync.errors import IntegrityError
-from tandem.delta_sync.frames import (
+from tandem.delta_sync.codec.frames import (
     SPARSE,
     XOR_MIN_FRACTION,
     ChunkRecord,
@@ -31,6 +31,8 @@ from tandem.delta_sync.frames import (
     _width_of,
     sparse_gap_frames,
 )
+from tandem.delta_sync.dtypes import UINT_BY_WIDTH
+from tandem.delta_sync.errors import IntegrityError
 
 _local = threading.local()
 
@@ -92,7 +94,7 @@ def encode_sparse_scan(
     """
     if advance and base_hasher is not None:
         raise ValueError("base_hasher needs the base as it was: not with advance")
-    from tandem.delta_sync import kernels  # numba: imported on first use
+    from tandem.delta_sync.codec import kernels  # numba: imported on first use
 
     limit = sparse_limit(new.size)
     b = _scan_buffers(limit, new.itemsize)
@@ -160,7 +162,7 @@ def decompress_sparse(
 
     After this, every position lies inside the chunk, so patching cannot fail midway.
     """
-    from tandem.delta_sync import kernels  # numba: imported on first use
+    from tandem.delta_sync.codec import kernels  # numba: imported on first use
 
     gw, ew, k = rec.gap_width, rec.value_width, rec.count
     ng = sparse_gap_frames(rec, frames, n, itemsize, where)
@@ -185,7 +187,7 @@ def decompress_sparse(
 
 def decode_streams(s: SparseStreams, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
     """(positions relative to the chunk start, differences mod 2^bits) of checked streams."""
-    from tandem.delta_sync import kernels  # numba: imported on first use
+    from tandem.delta_sync.codec import kernels  # numba: imported on first use
 
     idx = np.empty(s.count, np.uint32)
     diff = np.empty(s.count, UINT_BY_WIDTH[itemsize])
@@ -195,7 +197,7 @@ def decode_streams(s: SparseStreams, itemsize: int) -> tuple[np.ndarray, np.ndar
 
 def apply_streams(cur: np.ndarray, s: SparseStreams, *, negate: bool = False) -> None:
     """cur (one chunk's bit patterns) += the streams' differences (-= with negate)."""
-    from tandem.delta_sync import kernels  # numba: imported on first use
+    from tandem.delta_sync.codec import kernels  # numba: imported on first use
 
     if not kernels.sparse_apply(cur, s.glow, s.hpacked, s.hesc, s.vpacked, s.vesc, negate):
         raise IntegrityError(f"sparse patch of {s.count} changes reaches past {cur.size}")
@@ -210,7 +212,7 @@ def apply_streams_hashed(cur: np.ndarray, streams: list[SparseStreams], hasher: 
     as hashing cur afterwards (xxh3 fed part by part equals xxh3 of the whole), without
     reading cur from memory a second time.
     """
-    from tandem.delta_sync import kernels  # numba: imported on first use
+    from tandem.delta_sync.codec import kernels  # numba: imported on first use
 
     states = [np.zeros(4, np.uint64) for _ in streams]
     step = max(64, SCAN_PART_BYTES // cur.itemsize)
@@ -224,3 +226,37 @@ def apply_streams_hashed(cur: np.ndarray, streams: list[SparseStreams], hasher: 
     for st, sp in zip(states, streams, strict=True):
         if int(st[0]) != sp.count:
             raise IntegrityError(f"sparse patch of {sp.count} changes reaches past {cur.size}")
+
+
+def warm_up(itemsizes: Iterable[int] = (1, 2, 4, 8)) -> None:
+    """Compile (or load from numba's disk cache) the sparse kernels for these element widths
+    now, through the same calls a publish and a pull make: e.g. in a background thread at
+    start-up, so that neither the first publish nor the first apply (an engine's pause) pays
+    for it. Each width round-trips a small delta and checks it."""
+    for width in itemsizes:
+        uint = UINT_BY_WIDTH[width].type
+        old = (np.arange(4096) * 37).astype(uint)
+        new = old.copy()
+        new[:2000:7] += uint(1)  # mostly +-1 differences, a few escapes
+        new[:2000:91] += uint(5)
+        new[3100] += uint(1)  # a long gap: the high part of the gaps and its escapes
+        read_only = old.copy()
+        read_only.setflags(write=False)
+        for base, advance in ((read_only, False), (old.copy(), True)):
+            enc, k = encode_sparse_scan(0, new, base, 1, advance=advance)
+            if enc is None or k != int(np.count_nonzero(new != old)):
+                raise AssertionError(f"warm-up: the {width}-byte scan found {k} changes")
+        frames = [memoryview(f) for f in enc.frames]
+        rec = ChunkRecord(
+            0, 0, enc.mode, enc.count, enc.gap_width, enc.value_width, [len(f) for f in frames]
+        )
+        streams = decompress_sparse(rec, frames, old.size, width, "warm-up")
+        patched, hashed = old.copy(), old.copy()
+        apply_streams(patched, streams)
+        hasher = xxhash.xxh3_128()
+        apply_streams_hashed(hashed, [streams], hasher)  # what an apply runs on host memory
+        idx, _ = decode_streams(streams, width)
+        if not np.array_equal(patched, new) or idx.size != enc.count:
+            raise AssertionError(f"warm-up: the {width}-byte round trip is not exact")
+        if not np.array_equal(hashed, new) or hasher.digest() != xxhash.xxh3_128_digest(new):
+            raise AssertionError(f"warm-up: the {width}-byte hashed patch is not exact")

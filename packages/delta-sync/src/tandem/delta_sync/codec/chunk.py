@@ -16,20 +16,14 @@ compiled sparse path that publishing and pulling run is in `sparse`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from tandem.delta_sync.dtypes import INT_BY_WIDTH, UINT_BY_WIDTH
-from tandem.delta_sync.errors import IntegrityError
-from tandem.delta_sync.frames import (
-    MODE_NAMES,
+from tandem.delta_sync.codec.frames import (
     RAW,
     SPARSE,
     SPARSE_MAX_FRACTION,
-    UNCHANGED,
     XOR,
     XOR_MIN_FRACTION,
     ChunkRecord,
@@ -39,27 +33,17 @@ from tandem.delta_sync.frames import (
     _decompress_planes,
     _width_of,
     sparse_gap_frames,
-    split_frames,
 )
-from tandem.delta_sync.sparse import (
-    SparseStreams,
+from tandem.delta_sync.codec.sparse import (
     apply_streams,
-    apply_streams_hashed,
     decode_streams,
     decompress_sparse,
     encode_sparse_scan,
-    sparse_limit,
 )
-from tandem.delta_sync.tensors import HostTensor, TensorView
-
-__all__ = [  # the format's names, wherever they are defined
-    "MODE_NAMES", "RAW", "SPARSE", "SPARSE_MAX_FRACTION", "UNCHANGED", "XOR",
-    "XOR_MIN_FRACTION", "ChunkRecord", "EncodedChunk", "SparseStreams", "apply_record",
-    "apply_streams", "apply_streams_hashed", "decode_dense", "decode_sparse",
-    "decode_sparse_reference", "decode_streams", "decompress_sparse", "encode_chunk",
-    "encode_dense", "encode_sparse", "encode_sparse_scan", "pack_small", "sparse_limit",
-    "split_frames", "unpack_small", "unzigzag", "warm_up", "zigzag",
-]  # fmt: skip
+from tandem.delta_sync.dtypes import INT_BY_WIDTH, UINT_BY_WIDTH
+from tandem.delta_sync.errors import IntegrityError
+from tandem.delta_sync.tensor_view import TensorView
+from tandem.delta_sync.tensors import HostTensor
 
 
 def zigzag(diff: np.ndarray) -> np.ndarray:
@@ -271,37 +255,3 @@ def apply_record(cur: np.ndarray, rec: ChunkRecord, frames: list[memoryview], wh
         cur[:] = decode_dense(rec, frames, n, w, where)
     else:
         raise IntegrityError(f"{where}: unknown chunk mode {rec.mode}")
-
-
-def warm_up(itemsizes: Iterable[int] = (1, 2, 4, 8)) -> None:
-    """Compile (or load from numba's disk cache) the sparse kernels for these element widths
-    now, through the same calls a publish and a pull make: e.g. in a background thread at
-    start-up, so that neither the first publish nor the first apply (an engine's pause) pays
-    for it. Each width round-trips a small delta and checks it."""
-    for width in itemsizes:
-        uint = UINT_BY_WIDTH[width].type
-        old = (np.arange(4096) * 37).astype(uint)
-        new = old.copy()
-        new[:2000:7] += uint(1)  # mostly +-1 differences, a few escapes
-        new[:2000:91] += uint(5)
-        new[3100] += uint(1)  # a long gap: the high part of the gaps and its escapes
-        read_only = old.copy()
-        read_only.setflags(write=False)
-        for base, advance in ((read_only, False), (old.copy(), True)):
-            enc, k = encode_sparse_scan(0, new, base, 1, advance=advance)
-            if enc is None or k != int(np.count_nonzero(new != old)):
-                raise AssertionError(f"warm-up: the {width}-byte scan found {k} changes")
-        frames = [memoryview(f) for f in enc.frames]
-        rec = ChunkRecord(
-            0, 0, enc.mode, enc.count, enc.gap_width, enc.value_width, [len(f) for f in frames]
-        )
-        streams = decompress_sparse(rec, frames, old.size, width, "warm-up")
-        patched, hashed = old.copy(), old.copy()
-        apply_streams(patched, streams)
-        hasher = xxhash.xxh3_128()
-        apply_streams_hashed(hashed, [streams], hasher)  # what an apply runs on host memory
-        idx, _ = decode_streams(streams, width)
-        if not np.array_equal(patched, new) or idx.size != enc.count:
-            raise AssertionError(f"warm-up: the {width}-byte round trip is not exact")
-        if not np.array_equal(hashed, new) or hasher.digest() != xxhash.xxh3_128_digest(new):
-            raise AssertionError(f"warm-up: the {width}-byte hashed patch is not exact")

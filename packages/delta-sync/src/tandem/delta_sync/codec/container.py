@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import msgspec
 import xxhash
 
+from tandem.delta_sync.codec.frames import ChunkRecord, EncodedChunk, split_frames
 from tandem.delta_sync.errors import IntegrityError
-from tandem.delta_sync.frames import ChunkRecord, EncodedChunk, split_frames
 
 MAGIC = b"TDSH"
 FORMAT_VERSION = 1

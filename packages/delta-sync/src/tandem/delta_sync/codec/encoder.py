@@ -12,17 +12,14 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from tandem.delta_sync.codec import MODE_NAMES, EncodedChunk, encode_chunk
-from tandem.delta_sync.container import ShardBuilder
+from tandem.delta_sync.codec.chunk import encode_chunk
+from tandem.delta_sync.codec.container import ShardBuilder
+from tandem.delta_sync.codec.frames import MODE_NAMES, EncodedChunk
 from tandem.delta_sync.errors import DeltaSyncError
 from tandem.delta_sync.manifest import TensorInfo
 from tandem.delta_sync.parallel import ordered_map
-from tandem.delta_sync.tensors import (
-    TensorView,
-    chunk_elems_for,
-    combine_digest,
-    n_chunks,
-)
+from tandem.delta_sync.tensor_view import TensorView
+from tandem.delta_sync.tensors import chunk_elems_for, combine_digest, n_chunks
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Compiled single-pass loops for the sparse chunk encoding (numba, GIL released).
 
-The sparse encoding is defined in `codec` with whole-array numpy operations; those need a
+The sparse encoding is defined in `chunk` with whole-array numpy operations; those need a
 full-chunk compare, `np.flatnonzero`, two gathers and a dozen passes over the changed
 elements, which held encoding near 0.5 GB/s per core. These loops produce byte-identical
 streams in one pass over the chunk (compare, gap, zig-zag, 2-bit packing and escapes
@@ -101,7 +101,7 @@ def _scan(new, old, offset, limit, glow, ghigh, vpacked, vesc, state, advance):
     changed element has a nonzero difference): glow[j] = gap & 255, ghigh[j] = gap >> 8,
     2-bit code min(v, 3) at j in vpacked (four to a byte, low bits first, the last byte
     zero padded), and the escapes v - 3 of the v >= 3, in order, in vesc. These are exactly
-    codec.encode_sparse's streams before compression, so nothing is read again to pack
+    chunk.encode_sparse's streams before compression, so nothing is read again to pack
     them. With `advance` (a constant in each compiled variant), old becomes new wherever it
     changed. glow, ghigh and vesc hold limit + 1 values, vpacked limit // 4 + 1 bytes.
     state carries [changes, escapes, next position, largest gap, largest v, code byte] from
@@ -180,7 +180,7 @@ def sparse_scan_advance(new, old, offset, limit, glow, ghigh, vpacked, vesc, sta
 
 @numba.njit(nogil=True, cache=True)
 def pack_small(v, packed, esc):
-    """codec.pack_small in two passes: min(v, 3) packed four 2-bit codes to a byte (low bits
+    """chunk.pack_small in two passes: min(v, 3) packed four 2-bit codes to a byte (low bits
     first, zero padded) into `packed`, then the escapes v - 3 of v >= 3, in order, into esc.
 
     packed holds (v.size + 3) // 4 bytes, esc v.size + 1 values. The first pass has no

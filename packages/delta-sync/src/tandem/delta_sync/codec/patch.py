@@ -21,22 +21,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from tandem.delta_sync.codec import decode_dense
-from tandem.delta_sync.container import iter_shard
-from tandem.delta_sync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
-from tandem.delta_sync.frames import RAW, SPARSE, XOR, ChunkRecord
-from tandem.delta_sync.manifest import TensorInfo
-from tandem.delta_sync.parallel import ordered_map
-from tandem.delta_sync.sparse import (
+from tandem.delta_sync.codec.chunk import decode_dense
+from tandem.delta_sync.codec.container import iter_shard
+from tandem.delta_sync.codec.frames import RAW, SPARSE, XOR, ChunkRecord
+from tandem.delta_sync.codec.sparse import (
     SparseStreams,
     apply_streams,
     apply_streams_hashed,
     decode_streams,
     decompress_sparse,
 )
+from tandem.delta_sync.dtypes import itemsize
+from tandem.delta_sync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
+from tandem.delta_sync.manifest import TensorInfo
+from tandem.delta_sync.parallel import ordered_map
+from tandem.delta_sync.tensor_view import TensorView
 from tandem.delta_sync.tensors import (
     HostTensor,
-    TensorView,
     chunk_digest,
     chunk_elems_for,
     combine_digest,
@@ -82,8 +83,6 @@ def stage(
     label: str,
 ) -> StagedPatch:
     """Decode layers [(is_full, [(shard bytes, where), ...]), ...] into a StagedPatch."""
-    from tandem.delta_sync.dtypes import itemsize
-
     patch = StagedPatch(full=bool(layers) and layers[0][0])
     sparse: list[tuple[ChunkOp, int, int]] = []
     for _, shards in layers:
