@@ -8,7 +8,7 @@ import pytest
 
 from tandem.agent_env import EnvConfig, SandboxConfig, SandboxLimits
 from tandem.agent_env.config import MiB
-from tandem.agent_env.runtime import Runtime
+from tandem.agent_env.sandbox.runtime import Runtime
 
 LIMITS = SandboxLimits(
     memory_bytes=256 * MiB,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.agent_env.cgroups import CgroupManager, EpisodeCgroup
 from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.sandbox.cgroups import CgroupManager, EpisodeCgroup
 
 
 def test_v2_delegated_subtree_gets_limits_and_controllers(tmp_path: Path) -> None:
@@ -106,7 +106,7 @@ def test_v1_emptied_groups_are_recycled_with_their_counters_reset(
         os.waitpid(proc, 0)
         assert other.rmdir()
         # past IDLE_GROUPS emptied groups are removed, not kept
-        monkeypatch.setattr("tandem.agent_env.cgroups.IDLE_GROUPS", 1)
+        monkeypatch.setattr("tandem.agent_env.sandbox.cgroups.IDLE_GROUPS", 1)
         first, second = mgr.create(64 << 20, 1), mgr.create(64 << 20, 1)
         assert first.recycle() and second.recycle()
         assert all(d.exists() for d in first.dirs.values())

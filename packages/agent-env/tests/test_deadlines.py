@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from tandem.agent_env import Env, EnvConfig, generate_tasks
-from tandem.agent_env.deadlines import PERIOD_S, deadlines
-from tandem.agent_env.session import SessionLost
+from tandem.agent_env.sandbox.deadlines import PERIOD_S, deadlines
+from tandem.agent_env.sandbox.session import SessionLost
 
 
 def test_only_overdue_waits_expire_and_the_timer_stops_when_nothing_waits() -> None:

@@ -312,7 +312,7 @@ def test_run_episodes_marks_policy_failures_as_infra_faults(config: EnvConfig) -
 
 
 def test_unused_base_layers_are_evicted_beyond_the_cache_size(config: EnvConfig) -> None:
-    from tandem.agent_env.runtime import Runtime
+    from tandem.agent_env.sandbox.runtime import Runtime
 
     rt = Runtime.shared(config.sandbox)
     old, rt.max_cached_bases = rt.max_cached_bases, 2

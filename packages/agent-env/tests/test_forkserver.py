@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from tandem.agent_env import Env, EnvConfig, HiddenTests, Task, ToolCall
-from tandem.agent_env import forkserver as fs
-from tandem.agent_env.runtime import Runtime
+from tandem.agent_env.sandbox import forkserver_client as fs
+from tandem.agent_env.sandbox.runtime import Runtime
 
 
 def call(name: str, **args: object) -> ToolCall:

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from tandem.agent_env import Env, EnvConfig, ToolCall, generate_tasks
-from tandem.agent_env.locales import LOCALE_DIR, build_locale_dir, covered_by
+from tandem.agent_env.sandbox.locales import LOCALE_DIR, build_locale_dir, covered_by
 
 
 def _host_locales() -> list[str]:

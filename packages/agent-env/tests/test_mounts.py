@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tandem.agent_env.errors import SandboxError
-from tandem.agent_env.mounts import MountHelper
+from tandem.agent_env.sandbox.mounts import MountHelper
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("nsenter"), reason="needs root and nsenter"

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.agent_env import jsonwire
-from tandem.agent_env._sandbox import jsonlite as supervisor
+from tandem.agent_env.sandbox import jsonwire
+from tandem.agent_env.sandbox.inside import jsonlite as supervisor
 
 scalars = (
     st.none()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from tandem.agent_env._sandbox.supervisor import request_lines, send_line
+from tandem.agent_env.sandbox.inside.supervisor import request_lines, send_line
 
 
 def _feed(chunks: list[bytes]) -> list[bytes]:

@@ -1,10 +1,22 @@
-"""Configuration of the sandbox and of episodes (msgspec Structs, reject unknown fields)."""
+"""Configuration of the sandbox and of episodes (msgspec Structs, reject unknown fields).
+
+Nonsense values raise ``ValueError`` naming the field and its allowed range; decoded with
+msgspec (``msgspec.convert``, ``msgspec.toml.decode``), that becomes a ``ValidationError`` at
+the struct's path, e.g. "pids must be > 0, got 0 - at `$.sandbox.limits`".
+"""
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 
 MiB = 1 << 20
+
+
+def _require(ok: bool, field: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
 
 class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -31,6 +43,14 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     output_head_chars: int = 5000
     output_tail_chars: int = 5000
     max_output_bytes: int = 16 * MiB
+
+    def __post_init__(self) -> None:
+        for field in self.__struct_fields__:
+            value = getattr(self, field)
+            if field in ("output_head_chars", "output_tail_chars"):
+                _require(value >= 0, field, ">= 0", value)
+            else:  # (NaN is refused too)
+                _require(value > 0, field, "> 0", value)
 
 
 class SandboxConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -61,6 +81,11 @@ class SandboxConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     fork_server: bool = True
     limits: SandboxLimits = SandboxLimits()
 
+    def __post_init__(self) -> None:
+        for field in ("python", "shell"):
+            value = getattr(self, field)
+            _require(os.path.isabs(value), field, "a non-empty absolute path", value)
+
 
 class EnvConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Episode settings. A task's own ``limits`` override ``max_turns`` and the budgets."""
@@ -72,3 +97,8 @@ class EnvConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     partial_credit: bool = False
     allow_unsandboxed: bool = False
     system_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.max_turns >= 1, "max_turns", ">= 1", self.max_turns)
+        _require(self.episode_wall_s > 0, "episode_wall_s", "> 0", self.episode_wall_s)
+        _require(self.grade_timeout_s > 0, "grade_timeout_s", "> 0", self.grade_timeout_s)

@@ -12,8 +12,8 @@ import structlog
 from tandem.agent_env.config import EnvConfig
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.grading import GradeResult, grade
-from tandem.agent_env.runtime import Runtime
-from tandem.agent_env.session import Session, SessionLost, os_signal_name
+from tandem.agent_env.sandbox.runtime import Runtime
+from tandem.agent_env.sandbox.session import Session, SessionLost, os_signal_name
 from tandem.agent_env.task import Task
 from tandem.agent_env.tools import ToolCall, ToolCallError, parse_call, tool_schemas
 from tandem.agent_env.trajectory import Observation, StepRecord, StepResult, Trajectory

@@ -1,8 +1,8 @@
 """Reward from hidden tests, run in a fresh sandbox over the episode's final workspace.
 
-The sandbox is usually a job of the runtime's fork server (``forkserver``: a fork of a
-long-lived sandbox with ``unittest`` imported, in fresh namespaces and its own cgroup), else a
-one-shot bwrap run.
+The sandbox is usually a job of the runtime's fork server (``sandbox/forkserver_client.py``: a
+fork of a long-lived sandbox with ``unittest`` imported, in fresh namespaces and its own
+cgroup), else a one-shot bwrap run.
 
 The grading sandbox stacks three read-only layers: the task's base, the episode's writes, and
 the hidden tests (plus pristine copies of reset paths) on top, so whatever the agent did to
@@ -25,11 +25,11 @@ from typing import Any
 import msgspec
 import structlog
 
-from tandem.agent_env import bwrap as bw
-from tandem.agent_env.forkserver import ForkServerError
-from tandem.agent_env.proc import reap, spawn
-from tandem.agent_env.runtime import Runtime
-from tandem.agent_env.session import Session
+from tandem.agent_env.sandbox import bwrap as bw
+from tandem.agent_env.sandbox.forkserver_client import ForkServerError
+from tandem.agent_env.sandbox.proc import reap, spawn
+from tandem.agent_env.sandbox.runtime import Runtime
+from tandem.agent_env.sandbox.session import Session
 from tandem.agent_env.task import Task
 
 log = structlog.get_logger()
@@ -170,7 +170,7 @@ async def _grade_one_shot(
         await asyncio.to_thread(shutil.copytree, session.final_layers()[0], tree, symlinks=True)
         await asyncio.to_thread(shutil.copytree, hidden, tree, symlinks=True, dirs_exist_ok=True)
         spec["workspace"] = str(tree)
-        argv = bw.tool_argv(runtime.config.python, "runner", str(bw.SANDBOX_DIR), flags)
+        argv = bw.tool_argv(runtime.config.python, "runner", str(bw.INSIDE_DIR), flags)
         argv.append(json.dumps(spec))
     try:
         proc = await spawn(argv, cgroup, subprocess.PIPE)

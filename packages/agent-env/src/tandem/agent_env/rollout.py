@@ -12,7 +12,7 @@ import structlog
 from tandem.agent_env.config import EnvConfig
 from tandem.agent_env.env import Env
 from tandem.agent_env.errors import SandboxError
-from tandem.agent_env.runtime import Runtime
+from tandem.agent_env.sandbox.runtime import Runtime
 from tandem.agent_env.task import Task
 from tandem.agent_env.tools import ToolCall
 from tandem.agent_env.trajectory import Trajectory

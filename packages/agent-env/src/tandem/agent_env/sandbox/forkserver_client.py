@@ -1,13 +1,15 @@
-"""The fork server: one long-lived sandbox per runtime that forks a fresh sandbox per job.
+"""Host side of the fork server: one long-lived sandbox per runtime that forks a fresh
+sandbox per job. This module starts it, sends it jobs, moves each job into its cgroup and
+ends it; the server itself, which runs inside its sandbox, is ``inside/forkserver_server.py``.
 
 A sandbox started from scratch (bwrap, then a Python interpreter, and for grading ``import
 unittest``) costs tens of milliseconds of CPU, more than an episode's tool calls or a small
-hidden test suite. The fork server (``_sandbox/forkserver.py``) pays that once and forks a
-child per job, an episode's supervisor or a grading run, that still gets what a fresh bwrap
-sandbox gives: its own mount, pid, network, IPC, UTS and user namespaces, the workspace as an
-overlay (an episode's own upper directory; for grading a throwaway one over the final
-workspace with the hidden tests on top), fresh ``/tmp``, uid 1000 with no capabilities, and
-its own memory and pids cgroup (this side moves it there before it runs anything).
+hidden test suite. The fork server pays that once and forks a child per job, an episode's
+supervisor or a grading run, that still gets what a fresh bwrap sandbox gives: its own mount,
+pid, network, IPC, UTS and user namespaces, the workspace as an overlay (an episode's own upper
+directory; for grading a throwaway one over the final workspace with the hidden tests on top),
+fresh ``/tmp``, uid 1000 with no capabilities, and its own memory and pids cgroup (this side
+moves it there before it runs anything).
 
 Each job talks to this process over its own socket pair (passed to the server as SCM_RIGHTS),
 so one job cannot see or forge another's traffic; the job's host pid comes from the socket's
@@ -29,10 +31,10 @@ from typing import Any
 
 import structlog
 
-from tandem.agent_env import bwrap as bw
-from tandem.agent_env import jsonwire
-from tandem.agent_env.cgroups import EpisodeCgroup
-from tandem.agent_env.proc import ChildProcess, reap, spawn
+from tandem.agent_env.sandbox import bwrap as bw
+from tandem.agent_env.sandbox import jsonwire
+from tandem.agent_env.sandbox.cgroups import EpisodeCgroup
+from tandem.agent_env.sandbox.proc import ChildProcess, reap, spawn
 
 log = structlog.get_logger()
 
@@ -57,7 +59,7 @@ class JobOutput:
 
 
 class ForkServer:
-    """Client of the fork server of one :class:`~tandem.agent_env.runtime.Runtime`."""
+    """Client of the fork server of one :class:`~tandem.agent_env.sandbox.runtime.Runtime`."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
@@ -106,7 +108,7 @@ class ForkServer:
                     rt.bwrap, rt.config, rt.root / "etc", str(rt.root), rt.locale_dir
                 ),
             ]
-            argv += bw.tool_argv(rt.config.python, "forkserver", bw.TOOLS_MOUNT)
+            argv += bw.tool_argv(rt.config.python, "forkserver_server", bw.TOOLS_MOUNT)
             argv.append(str(theirs.fileno()))
             with open(errlog_path, "wb") as errlog:
                 self.proc = await spawn(argv, self.cgroup, errlog, pass_fds=(theirs.fileno(),))

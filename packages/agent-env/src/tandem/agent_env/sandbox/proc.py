@@ -16,7 +16,7 @@ import signal
 import subprocess
 from typing import IO, Any
 
-from tandem.agent_env.cgroups import EpisodeCgroup
+from tandem.agent_env.sandbox.cgroups import EpisodeCgroup
 
 # Joins the cgroups before exec'ing bwrap, so that no process of the sandbox starts outside.
 _JOIN = 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"'

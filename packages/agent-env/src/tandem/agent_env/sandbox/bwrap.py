@@ -17,9 +17,9 @@ from pathlib import Path
 
 from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.errors import SandboxError
-from tandem.agent_env.locales import LOCALE_DIR
+from tandem.agent_env.sandbox.locales import LOCALE_DIR
 
-SANDBOX_DIR = Path(__file__).parent / "_sandbox"
+INSIDE_DIR = Path(__file__).parent / "inside"
 WORKSPACE = "/workspace"
 TOOLS_MOUNT = "/.tandem"
 UID = 1000
@@ -102,7 +102,7 @@ def base_args(
     for f in cfg.etc_files:
         if os.path.exists(f):
             args += ["--ro-bind", f, f]
-    args += ["--ro-bind", str(SANDBOX_DIR), TOOLS_MOUNT]
+    args += ["--ro-bind", str(INSIDE_DIR), TOOLS_MOUNT]
     # /dev is a tmpfs of its own: cap /dev/shm and make the rest read-only (device nodes
     # still work), so files can only be written to the capped workspace, /tmp and /dev/shm
     args += ["--dev", "/dev", "--proc", "/proc"]
@@ -135,7 +135,7 @@ def forkserver_args(
     capabilities *inside its own user namespace* that it needs to build a fresh sandbox per
     job (mounts, namespaces). Every job detaches the layer directory, enters a user namespace
     of its own as uid 1000 and drops every capability before it runs untrusted code
-    (``_sandbox/forkserver.py``).
+    (``inside/forkserver_server.py``).
     """
     args = base_args(bwrap, cfg, etc_dir, uid=0, allow_userns=True, locale_dir=locale_dir)
     args += ["--cap-add", "ALL", "--bind", layers, LAYERS_MOUNT, "--dir", WORKSPACE]
@@ -177,7 +177,7 @@ def precompile(python: str) -> None:
     directory may be read-only, then each start compiles them, which is only slower)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(
-            [python, "-I", "-m", "compileall", "-q", str(SANDBOX_DIR)],
+            [python, "-I", "-m", "compileall", "-q", str(INSIDE_DIR)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

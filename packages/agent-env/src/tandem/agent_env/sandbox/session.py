@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from tandem.agent_env import bwrap as bw
-from tandem.agent_env import jsonwire
-from tandem.agent_env.cgroups import EpisodeCgroup
 from tandem.agent_env.config import SandboxLimits
-from tandem.agent_env.deadlines import deadlines
-from tandem.agent_env.forkserver import ForkServerError, end_job, kill_job
-from tandem.agent_env.proc import ChildProcess, reap, spawn
+from tandem.agent_env.sandbox import bwrap as bw
+from tandem.agent_env.sandbox import jsonwire
+from tandem.agent_env.sandbox.cgroups import EpisodeCgroup
+from tandem.agent_env.sandbox.deadlines import deadlines
+from tandem.agent_env.sandbox.forkserver_client import ForkServerError, end_job, kill_job
+from tandem.agent_env.sandbox.proc import ChildProcess, reap, spawn
 
 if TYPE_CHECKING:
-    from tandem.agent_env.runtime import Runtime
+    from tandem.agent_env.sandbox.runtime import Runtime
 
 log = structlog.get_logger()
 
@@ -145,7 +145,7 @@ class Session:
         else:
             if not self.workspace.exists():
                 await asyncio.to_thread(shutil.copytree, self.base, self.workspace, symlinks=True)
-            argv = bw.tool_argv(sys.executable, "supervisor", str(bw.SANDBOX_DIR))
+            argv = bw.tool_argv(sys.executable, "supervisor", str(bw.INSIDE_DIR))
         argv.append(json.dumps(self._supervisor_config()))
         errlog = open(self.dir / f"stderr{self.starts}", "wb")  # noqa: SIM115 - closed in stop()
         try:

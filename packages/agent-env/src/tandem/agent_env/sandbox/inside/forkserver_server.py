@@ -1,4 +1,5 @@
-"""Fork server: runs inside one long-lived sandbox and forks a fresh sandbox per job.
+"""The fork server itself: runs inside one long-lived sandbox and forks a fresh sandbox per
+job (its host-side client is ``sandbox/forkserver_client.py``).
 
 Starting bwrap and a Python interpreter costs a sandbox ~40 ms of CPU on a small machine, and
 importing ``unittest`` for grading as much again: more than an episode's tool calls or a small
@@ -48,7 +49,7 @@ except ImportError:  # imported from the tools directory, not as a package
 
 import unittest  # noqa: F401 - imported once here, inherited warm by every job
 
-_OWN_MODULES = ("forkserver", "runner", "supervisor", "shell", "jsonlite")
+_OWN_MODULES = ("forkserver_server", "runner", "supervisor", "shell", "jsonlite")
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000

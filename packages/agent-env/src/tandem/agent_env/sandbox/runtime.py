@@ -26,13 +26,13 @@ from typing import ClassVar
 import msgspec
 import structlog
 
-from tandem.agent_env import bwrap as bw
-from tandem.agent_env.cgroups import CgroupManager
 from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.errors import SandboxError
-from tandem.agent_env.forkserver import ForkServer
-from tandem.agent_env.locales import build_locale_dir, covered_by
-from tandem.agent_env.mounts import MountHelper
+from tandem.agent_env.sandbox import bwrap as bw
+from tandem.agent_env.sandbox.cgroups import CgroupManager
+from tandem.agent_env.sandbox.forkserver_client import ForkServer
+from tandem.agent_env.sandbox.locales import build_locale_dir, covered_by
+from tandem.agent_env.sandbox.mounts import MountHelper
 from tandem.agent_env.task import Task
 
 log = structlog.get_logger()

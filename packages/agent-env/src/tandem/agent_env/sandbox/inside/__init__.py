@@ -1,0 +1,8 @@
+"""Programs that run *inside* the sandbox with the sandbox's Python (stdlib only).
+
+This directory is bound read-only into every sandbox at ``/.tandem`` and its modules are
+imported from there by name (``bwrap.tool_argv``), so they must not import tandem or any
+third-party package. ``supervisor.py`` serves one episode's tools (with ``shell.py``, its
+persistent bash), ``runner.py`` runs the hidden tests, ``forkserver_server.py`` is the fork
+server, and ``jsonlite.py`` is their small JSON codec.
+"""
