@@ -31,7 +31,7 @@ from tandem.moe_determinism import (
     batch_invariant,
     compare_logprobs,
     routing_agreement,
-    token_logprobs,
+    target_logprobs,
 )
 
 CONFIG = MoEConfig(
@@ -98,7 +98,7 @@ def mismatch(model: MoETransformer, prompts, new_tokens: int, invariant: bool):
         for i, seq in enumerate(tokens):
             ids = torch.tensor(seq)
             out = model(ids[None, :-1])  # the trainer scores the sequence alone
-            lp = token_logprobs(out.logits[0], ids[1:])[len(prompts[i]) - 1 :]
+            lp = target_logprobs(out.logits[0], ids[1:])[len(prompts[i]) - 1 :]
             a.append(lp)
             b.append(torch.tensor(engine_lp[i], dtype=torch.float32))
             ta.append(out.traces()[0])
@@ -130,7 +130,7 @@ def train_step(model: MoETransformer, batch: torch.Tensor, invariant: bool) -> C
         t0 = time.perf_counter()
         with batch_invariant(invariant):
             out = model(batch, routing=RouterReplay(traces, "R3"))
-            loss = -token_logprobs(out.logits[:, :-1], batch[:, 1:]).mean()
+            loss = -target_logprobs(out.logits[:, :-1], batch[:, 1:]).mean()
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

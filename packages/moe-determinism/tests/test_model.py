@@ -13,7 +13,7 @@ from tandem.moe_determinism import (
     RoutingTrace,
     batch_invariant,
     routing_agreement,
-    token_logprobs,
+    target_logprobs,
 )
 
 CFG = MoEConfig(
@@ -87,7 +87,7 @@ def test_model_logprobs_bitwise_identical_across_batchings(threads: int) -> None
         decoded, dec_traces = _staggered_decode(m, seqs)
     start = 0
     for i, s in enumerate(seqs):
-        ref = token_logprobs(alone[i].logits[0, :-1], s[1:])
+        ref = target_logprobs(alone[i].logits[0, :-1], s[1:])
         ref_trace = alone[i].traces()[0]
         variants = {
             "padded": padded.logits[i, : len(s)],
@@ -95,7 +95,7 @@ def test_model_logprobs_bitwise_identical_across_batchings(threads: int) -> None
             "decoded": decoded[i],
         }
         for name, logits in variants.items():
-            assert torch.equal(token_logprobs(logits[:-1], s[1:]), ref), f"{name} seq {i}"
+            assert torch.equal(target_logprobs(logits[:-1], s[1:]), ref), f"{name} seq {i}"
         assert torch.equal(alone[i].logits[0], decoded[i])
         assert packed.traces()[i] == ref_trace
         assert padded.traces()[i] == ref_trace
@@ -155,7 +155,7 @@ def test_router_replay_forces_recorded_experts(mode: str, checkpointing: bool) -
     )
     assert replayed.traces() == traces  # exactly the recorded experts
     targets = torch.cat([torch.cat([s[1:], s[:1]]) for s in seqs])
-    token_logprobs(replayed.logits, targets).sum().backward()
+    target_logprobs(replayed.logits, targets).sum().backward()
     for layer in m.layers:
         g = layer.mlp.gate.weight.grad
         assert g is not None and bool(g.abs().sum() > 0), "router got no gradient under replay"

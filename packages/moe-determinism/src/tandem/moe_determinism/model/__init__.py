@@ -1,10 +1,28 @@
-"""The reference Qwen3-MoE-like transformer, its KV cache and Hugging Face IO."""
+"""The reference Qwen3-MoE-like transformer, its KV cache and Hugging Face IO.
 
-from tandem.moe_determinism.model.cache import KVCache
-from tandem.moe_determinism.model.config import MoEConfig
-from tandem.moe_determinism.model.hf import load_hf, save_hf
-from tandem.moe_determinism.model.transformer import MoEOutput, MoETransformer, token_logprobs
+Names are imported on first use, so `tandem.moe_determinism.model.config` (plain data)
+loads without torch.
+"""
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.moe_determinism.model.cache import KVCache
+    from tandem.moe_determinism.model.config import MoEConfig
+    from tandem.moe_determinism.model.hf import load_hf, save_hf
+    from tandem.moe_determinism.model.transformer import MoEOutput, MoETransformer
+
+_HOME = {
+    "KVCache": "cache",
+    "MoEConfig": "config",
+    "MoEOutput": "transformer",
+    "MoETransformer": "transformer",
+    "load_hf": "hf",
+    "save_hf": "hf",
+}
 __all__ = [
     "KVCache",
     "MoEConfig",
@@ -12,5 +30,10 @@ __all__ = [
     "MoETransformer",
     "load_hf",
     "save_hf",
-    "token_logprobs",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOME[name]}"), name)

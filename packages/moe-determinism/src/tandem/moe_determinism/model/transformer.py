@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -236,12 +235,3 @@ class MoETransformer(nn.Module):
             counts=layout.counts.tolist(),
             num_experts=cfg.num_experts,
         )
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position: fp32 log-softmax over the vocabulary, then a gather.
-
-    Under `batch_invariant()` the log-softmax is row-invariant, so the engine's log-prob of a
-    sampled token and the trainer's log-prob of the same token in a batch are the same bits.
-    """
-    return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

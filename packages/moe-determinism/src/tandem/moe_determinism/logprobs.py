@@ -1,0 +1,28 @@
+"""Log-probs of sampled tokens, computed the same way by the inference engine and the trainer.
+
+An engine samples token t from ``sampling_logits(logits, temperature)`` and reports its
+log-prob; the trainer scores the same token with the same two functions. Under
+`batch_invariant()` both steps are row-invariant, so the two log-probs are the same bits at
+any temperature (the importance ratio between rollout and trainer is then exactly 1 for
+tokens of the trainer's own version).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits of the distribution tokens are sampled from: divided by ``temperature``,
+    except at 0 (greedy) and 1, which leave them as they are."""
+    logits = logits.float()
+    return logits if temperature in (0.0, 1.0) else logits / temperature
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at each position from the logits *at that position* (no shift): fp32
+    log-softmax over the vocabulary, then a gather. Callers align logits and targets
+    themselves (the engine passes one row per sampled token, the trainer the logits of
+    positions 0..n-2 with tokens 1..n-1)."""
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
