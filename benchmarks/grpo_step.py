@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from tandem.grpo import GRPOConfig, GRPOTrainer, RolloutBatch, policy_loss, token_logprobs
+from tandem.grpo import GRPOConfig, GRPOTrainer, RolloutBatch, next_token_logprobs, policy_loss
 
 
 class TinyLM(torch.nn.Module):
@@ -107,7 +107,7 @@ def main() -> None:
     )
 
     with torch.no_grad():
-        logp0 = token_logprobs(plain_model(batch.input_ids), batch.input_ids)
+        logp0 = next_token_logprobs(plain_model(batch.input_ids), batch.input_ids)
     adv = torch.randn(args.batch, generator=gen)
 
     def loss_only() -> None:

@@ -32,9 +32,10 @@ def train(
     )
     first = None
     pending = None
+    version = 0  # the caller counts policy versions
     recent: list[float] = []
     for _ in range(MAX_STEPS):
-        batch = tiny.sample_reverse_task(model, 32, 8, gen, trainer.policy_version)
+        batch = tiny.sample_reverse_task(model, 32, 8, gen, version)
         if stale_as_old:  # the PPO/GSPO ratio is taken against the behaviour policy
             batch.old_logprobs = batch.rollout_logprobs
         first = batch.rewards.mean().item() if first is None else first
@@ -42,8 +43,9 @@ def train(
         if len(recent) == 5 and sum(recent) / 5 >= 0.97:
             break
         if pending is not None:
-            metrics = trainer.step(pending)
+            metrics = trainer.step(pending, version=version)
             assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+            version += int(metrics["step_applied"])
         pending = batch
     final = tiny.sample_reverse_task(model, 256, 4, gen).rewards.mean().item()
     return first, final

@@ -15,8 +15,8 @@ from tandem.grpo import (
     RolloutBatch,
     group_advantages,
     importance_weights,
+    next_token_logprobs,
     policy_loss,
-    token_logprobs,
 )
 
 
@@ -88,7 +88,7 @@ def test_step_equals_direct_loss_on_whole_batch(tiny: ModuleType) -> None:
     keep[4:8] = False
     adv = group_advantages(batch.rewards, group_size=4)[keep]
     kept = batch.select(keep)
-    logp = token_logprobs(ref_model(kept.input_ids), kept.input_ids)
+    logp = next_token_logprobs(ref_model(kept.input_ids), kept.input_ids)
     weights, _ = importance_weights(
         logp.detach(), kept.rollout_logprobs, kept.loss_mask, "token_mis", 1.5
     )
@@ -139,7 +139,6 @@ def test_all_groups_equal_skips_the_step(tiny: ModuleType) -> None:
     )
     metrics = trainer.step(batch)
     assert metrics["step_applied"] == 0.0 and metrics["groups_kept"] == 0
-    assert trainer.policy_version == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -165,12 +164,19 @@ def test_metrics_report_staleness_and_rewards(tiny: ModuleType) -> None:
         torch.optim.SGD(model.parameters(), lr=0.1),
         GRPOConfig(),
         Accelerator(cpu=True),
-        policy_version=6,
     )
-    metrics = trainer.step(batch)
+    metrics = trainer.step(batch, version=6)
     assert metrics["staleness_mean"] == pytest.approx(2.0) and metrics["staleness_max"] == 3.0
     assert metrics["reward_mean"] == pytest.approx(batch.rewards.mean().item())
-    assert trainer.policy_version == 7 and metrics["policy_version"] == 7
+    assert metrics["step_applied"] == 1.0 and "policy_version" not in metrics
+    # without a version, staleness is measured against the newest trajectory's
+    model, batch = make(tiny)
+    batch.policy_version = torch.tensor([3] * 12 + [5] * 12)
+    trainer = GRPOTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), GRPOConfig(), Accelerator(cpu=True)
+    )
+    metrics = trainer.step(batch)
+    assert metrics["staleness_mean"] == pytest.approx(1.0) and metrics["staleness_max"] == 2.0
 
 
 def test_custom_forward_hook_and_extras_are_sliced(tiny: ModuleType) -> None:
@@ -181,7 +187,7 @@ def test_custom_forward_hook_and_extras_are_sliced(tiny: ModuleType) -> None:
     def hook(m: torch.nn.Module, micro: RolloutBatch) -> torch.Tensor:
         assert micro.extras["row"].shape[0] == micro.num_sequences
         seen.extend(micro.extras["row"].tolist())
-        return token_logprobs(m(micro.input_ids), micro.input_ids)
+        return next_token_logprobs(m(micro.input_ids), micro.input_ids)
 
     trainer = GRPOTrainer(
         model,
@@ -206,9 +212,9 @@ def test_bad_batches_and_hooks_raise_clear_errors(tiny: ModuleType) -> None:
         trainer.step(bad)
     with pytest.raises(GRPOError, match="rewards has shape"):
         trainer.step(RolloutBatch(**{**batch.__dict__, "rewards": torch.zeros(3)}))
-    trainer.forward_fn = lambda m, b: token_logprobs(m(b.input_ids), b.input_ids)[:, 1:]
+    trainer.forward_fn = lambda m, b: next_token_logprobs(m(b.input_ids), b.input_ids)[:, 1:]
     with pytest.raises(GRPOError, match="shape"):
         trainer.step(batch)
-    trainer.forward_fn = lambda m, b: token_logprobs(m(b.input_ids), b.input_ids).detach()
+    trainer.forward_fn = lambda m, b: next_token_logprobs(m(b.input_ids), b.input_ids).detach()
     with pytest.raises(GRPOError, match="without gradient"):
         trainer.step(batch)

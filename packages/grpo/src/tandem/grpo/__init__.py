@@ -1,30 +1,57 @@
 """GRPO-family policy losses, group advantages, KL estimators and importance correction.
 
 Pure torch: turns a batch of scored rollouts into a policy update (Dr. GRPO by default).
+Names are imported on first use, so the configuration (`GRPOConfig`) loads without torch.
 """
 
-from importlib.metadata import version as _version
+from __future__ import annotations
 
-from tandem.grpo.advantages import group_advantages, nonconstant_groups
-from tandem.grpo.aggregation import LossNormalizer, aggregate
-from tandem.grpo.batch import (
-    ForwardFn,
-    ForwardOutput,
-    RolloutBatch,
-    causal_lm_forward,
-    shard_by_group,
-    token_entropy,
-    token_logprobs,
-)
-from tandem.grpo.config import GRPOConfig
-from tandem.grpo.errors import GRPOError
-from tandem.grpo.importance import importance_weights
-from tandem.grpo.kl import kl_estimate, kl_penalized_rewards
-from tandem.grpo.loss import policy_loss, policy_ratio
-from tandem.grpo.trainer import GRPOTrainer
+from importlib import import_module
+from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.grpo.advantages import group_advantages, nonconstant_groups
+    from tandem.grpo.aggregation import LossNormalizer, aggregate
+    from tandem.grpo.batch import (
+        ForwardFn,
+        ForwardOutput,
+        RolloutBatch,
+        causal_lm_forward,
+        next_token_logprobs,
+        shard_by_group,
+        token_entropy,
+    )
+    from tandem.grpo.config import GRPOConfig
+    from tandem.grpo.errors import GRPOError
+    from tandem.grpo.importance import importance_weights
+    from tandem.grpo.kl import kl_estimate, kl_penalized_rewards
+    from tandem.grpo.loss import policy_loss, policy_ratio
+    from tandem.grpo.trainer import GRPOTrainer
 
 __version__ = _version("tandem-grpo")
 
+_HOME = {
+    "ForwardFn": "batch",
+    "ForwardOutput": "batch",
+    "GRPOConfig": "config",
+    "GRPOError": "errors",
+    "GRPOTrainer": "trainer",
+    "LossNormalizer": "aggregation",
+    "RolloutBatch": "batch",
+    "aggregate": "aggregation",
+    "causal_lm_forward": "batch",
+    "group_advantages": "advantages",
+    "importance_weights": "importance",
+    "kl_estimate": "kl",
+    "kl_penalized_rewards": "kl",
+    "next_token_logprobs": "batch",
+    "nonconstant_groups": "advantages",
+    "policy_loss": "loss",
+    "policy_ratio": "loss",
+    "shard_by_group": "batch",
+    "token_entropy": "batch",
+}
 __all__ = [
     "ForwardFn",
     "ForwardOutput",
@@ -40,10 +67,16 @@ __all__ = [
     "importance_weights",
     "kl_estimate",
     "kl_penalized_rewards",
+    "next_token_logprobs",
     "nonconstant_groups",
     "policy_loss",
     "policy_ratio",
     "shard_by_group",
     "token_entropy",
-    "token_logprobs",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOME[name]}"), name)

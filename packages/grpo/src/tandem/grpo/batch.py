@@ -162,7 +162,7 @@ routing trace from ``micro_batch.extras`` and run the MoE with it.
 """
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Log-probs [B, T] of ``input_ids`` under next-token ``logits`` [B, T, V] (position 0 = 0)."""
     b, t, v = logits.shape
     shifted = as_float(logits[:, :-1].reshape(-1, v))
@@ -198,4 +198,4 @@ def causal_lm_forward(
     out = model(batch.input_ids, **kwargs)
     logits = getattr(out, "logits", out)
     entropy = token_entropy(logits, grad=entropy_grad) if with_entropy else None
-    return ForwardOutput(token_logprobs(logits, batch.input_ids), entropy)
+    return ForwardOutput(next_token_logprobs(logits, batch.input_ids), entropy)

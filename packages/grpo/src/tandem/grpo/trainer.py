@@ -78,7 +78,6 @@ class GRPOTrainer:
         forward_fn: ``forward_fn(model, micro_batch) -> ForwardOutput | logprobs`` (see
             `ForwardFn`); defaults to `causal_lm_forward`.
         lr_scheduler: stepped once after every optimizer step.
-        policy_version: version of the weights held now; incremented by every applied step.
         fsdp: the parameters are sharded along dim 0 over the processes (pass the model
             already sharded, with an ``AcceleratedOptimizer``); see the module doc.
     """
@@ -92,7 +91,6 @@ class GRPOTrainer:
         *,
         forward_fn: ForwardFn | None = None,
         lr_scheduler: Any = None,
-        policy_version: int = 0,
         fsdp: bool = False,
     ) -> None:
         from accelerate import Accelerator
@@ -113,7 +111,6 @@ class GRPOTrainer:
             causal_lm_forward, entropy_grad=config.entropy_coef > 0
         )
         self.lr_scheduler = lr_scheduler
-        self.policy_version = policy_version
         self.fsdp = fsdp
 
     @property
@@ -183,11 +180,18 @@ class GRPOTrainer:
             raise GRPOError("entropy_coef > 0 needs forward_fn to return entropy with gradient")
         return out
 
-    def step(self, batch: RolloutBatch, *, shards: int = 1) -> dict[str, float]:
+    def step(
+        self, batch: RolloutBatch, *, version: int | None = None, shards: int = 1
+    ) -> dict[str, float]:
         """One optimizer step on this process's share of the batch; returns global metrics.
 
         Each process passes its own rows (whole groups; see `shard_by_group`). Metrics are
         reduced over processes, so every process returns the same dict.
+
+        ``version``: the policy version of the weights the step starts from. The caller
+        counts versions (an applied step, ``metrics["step_applied"]``, makes the next one);
+        the trainer only measures each trajectory's staleness against it (default: the
+        newest version in the batch).
 
         ``shards`` (one process only): accumulate the gradient as that many data-parallel
         processes would, each summing the micro-batches of its `shard_by_group` share, the
@@ -225,7 +229,9 @@ class GRPOTrainer:
 
         sums = MetricSums(self.device)
         sums.add("reward_sum", batch.rewards.double().sum())
-        staleness = (self.policy_version - batch.policy_version).double()
+        if version is None:
+            version = int(self._max(batch.policy_version.max().double()))
+        staleness = (version - batch.policy_version).double()
         sums.add("staleness_sum", staleness.sum())
         sums.max("staleness_max", staleness.max())
 
@@ -235,7 +241,7 @@ class GRPOTrainer:
                 "grpo_step_skipped",
                 reason="every group has equal rewards",
                 groups=int(groups),
-                policy_version=self.policy_version,
+                policy_version=version,
             )
             return self._finish(sums, normalizer, groups, groups_kept, all_seqs, None)
 
@@ -369,13 +375,11 @@ class GRPOTrainer:
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self.policy_version += 1
         else:
             log.warning(
                 "grpo_step_skipped",
                 reason="non-finite gradient norm from the model",
                 grad_norm=grad_norm,
-                policy_version=self.policy_version,
             )
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, applied
@@ -418,7 +422,6 @@ class GRPOTrainer:
             reward_mean=raw["reward_sum"] / max(all_seqs, 1.0),
             advantage_abs_mean=raw["adv_abs_sum"] / max(normalizer.total_sequences, 1.0),
             staleness_mean=raw["staleness_sum"] / max(all_seqs, 1.0),
-            policy_version=float(self.policy_version),
         )
         return metrics
 
