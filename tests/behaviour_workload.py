@@ -18,25 +18,26 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import torch
 
+from tandem.agent_env import EnvConfig
+from tandem.grpo import GRPOConfig
 from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
-from tandem.orchestrator import corpus
+from tandem.orchestrator import RunConfig, RunHooks, RunSettings, midtrain_policy, reinforce
 from tandem.orchestrator.config import (
     CurriculumConfig,
     EngineConfig,
-    EnvSettings,
-    LossConfig,
+    EpisodeConfig,
     MidtrainConfig,
-    ModelConfig,
     RLConfig,
     TaskConfig,
     TrainerConfig,
 )
-from tandem.orchestrator.pipeline import midtrain, reinforce
-from tandem.orchestrator.rl import RunHooks
+from tandem.orchestrator.midtrain import corpus
 
-MODEL = ModelConfig(
+MODEL = MoEConfig(
+    vocab_size=266,
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
@@ -47,14 +48,18 @@ MODEL = ModelConfig(
     num_experts_per_tok=2,
     max_position_embeddings=4096,
     kv_split_size=16,
-    init_seed=3,
 )
 TASKS = TaskConfig(
     kinds=["wrong_operator", "off_by_one", "swapped_arguments"],
     functions=["gcd", "digit_sum", "is_palindrome", "chunked"],
     modules=["toolbelt"],
 )
-ENV = EnvSettings(max_turns=3, max_observation_chars=600)
+ENV = EnvConfig(
+    max_turns=3,
+    episode_wall_s=300.0,
+    grade_timeout_s=60.0,
+    system_prompt="Fix the bug with the tools, run the tests, then submit.",
+)
 ENGINE = EngineConfig(max_slots=16, max_len=2048, max_new_tokens=24, temperature=1.0)
 MIDTRAIN = MidtrainConfig(
     steps=12,
@@ -68,7 +73,9 @@ MIDTRAIN = MidtrainConfig(
     edit_min_chars=4,
     code_bytes=40_000,
     log_every=100,
+    init_seed=3,
 )
+LOSS = {"max_tokens": 512, "clip_eps_high": 0.28, "kl_estimator": "k2"}
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
@@ -133,7 +140,7 @@ def parity(sample) -> float:
     return float(sum(sample.tokens[-len(sample.tokens) // 3 :]) % 2)
 
 
-def rl_run(model, run_dir: Path, rl: RLConfig, trainer: TrainerConfig) -> dict:
+def rl_run(model, config: RunConfig, run_dir: Path) -> dict:
     published: dict[str, str] = {}
     rewards: list[float] = []
 
@@ -145,13 +152,8 @@ def rl_run(model, run_dir: Path, rl: RLConfig, trainer: TrainerConfig) -> dict:
 
     summary = reinforce(
         model,
-        tasks=TASKS,
-        env=ENV,
-        engine=ENGINE,
-        trainer=trainer,
-        rl=rl,
+        config,
         run_dir=run_dir,
-        seed=5,
         task_offset=MIDTRAIN.transcripts,
         hooks=RunHooks(on_publish=on_publish, on_step=on_step, reward=parity),
     )
@@ -167,47 +169,55 @@ def main(out: Path) -> dict:
     torch.set_num_threads(1)
     corpus.stdlib_root = lambda: code_corpus(out / "corpus")  # type: ignore[assignment]
     result: dict = {"probe": probe()}
-    model, _ = midtrain(
-        model_cfg=MODEL,
-        mid=MIDTRAIN,
+    config = RunConfig(
+        run=RunSettings(name="mid", seed=7, output_dir=str(out)),
+        model=MODEL,
         tasks=TASKS,
         env=ENV,
+        episode=EpisodeConfig(max_observation_chars=600),
+        midtrain=MIDTRAIN,
         engine=ENGINE,
-        run_dir=out / "mid",
-        seed=7,
     )
+    model, _ = midtrain_policy(config)
     result["midtrain"] = digest(model.state_dict())
     start = {k: v.clone() for k, v in model.state_dict().items()}
 
-    pipelined = RLConfig(
-        mode="pipelined",
-        steps=3,
-        group_size=3,
-        groups_per_step=2,
-        checkpoint_every=2,
-        torch_threads=1,
-        curriculum=CurriculumConfig(enabled=True, window=1, keep=0.5),
+    rl_config = msgspec.structs.replace(
+        config,
+        run=RunSettings(name="rl", seed=5, output_dir=str(out)),
+        rl=RLConfig(
+            mode="pipelined",
+            steps=3,
+            group_size=3,
+            groups_per_step=2,
+            checkpoint_every=2,
+            torch_threads=1,
+            curriculum=CurriculumConfig(enabled=True, window=1, keep=0.5),
+        ),
+        trainer=TrainerConfig(
+            lr=1e-2,
+            replay="R3",
+            routing_check_rows=2,
+            processes=2,
+            updates_per_step=2,
+            loss=GRPOConfig(micro_batch_size=2, kl_coef=0.05, **LOSS),
+        ),
     )
-    trainer = TrainerConfig(
-        lr=1e-2,
-        replay="R3",
-        routing_check_rows=2,
-        processes=2,
-        updates_per_step=2,
-        loss=LossConfig(micro_batch_size=2, max_tokens=512, kl_coef=0.05),
-    )
-    result["pipelined"] = rl_run(model, out / "pipelined", pipelined, trainer)
+    result["pipelined"] = rl_run(model, rl_config, out / "pipelined")
 
     model.load_state_dict(start)
-    sync = RLConfig(mode="sync", steps=2, group_size=3, groups_per_step=2, torch_threads=1)
-    trainer = TrainerConfig(
-        lr=1e-2,
-        replay="R2",
-        routing_check_rows=0,
-        share_prefixes=False,
-        loss=LossConfig(micro_batch_size=4, max_tokens=512),
+    rl_config = msgspec.structs.replace(
+        rl_config,
+        rl=RLConfig(mode="sync", steps=2, group_size=3, groups_per_step=2, torch_threads=1),
+        trainer=TrainerConfig(
+            lr=1e-2,
+            replay="R2",
+            routing_check_rows=0,
+            share_prefixes=False,
+            loss=GRPOConfig(micro_batch_size=4, **LOSS),
+        ),
     )
-    result["sync"] = rl_run(model, out / "sync", sync, trainer)
+    result["sync"] = rl_run(model, rl_config, out / "sync")
     return result
 
 

@@ -7,24 +7,33 @@ generated tokens so that a random tiny policy still yields groups with different
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tandem.agent_env import EnvConfig
+from tandem.moe_determinism import MoEConfig, MoETransformer
+from tandem.orchestrator.backends import build_backend
 from tandem.orchestrator.config import (
     EngineConfig,
-    EnvSettings,
-    ModelConfig,
     RLConfig,
+    RunConfig,
+    RunSettings,
     TaskConfig,
     TrainerConfig,
 )
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 from tandem.orchestrator.policy import build_model
-from tandem.orchestrator.rl import RLRun, RunHooks
-from tandem.orchestrator.tasks import TaskSource
-from tandem.orchestrator.tokenizer import ByteTokenizer
-from tandem.orchestrator.weights import weights_equal
+from tandem.orchestrator.protocols import Backend, BackendStart
+from tandem.orchestrator.rl.hooks import RunHooks
+from tandem.orchestrator.rl.loop import RLRun
+from tandem.orchestrator.rl.summary import RunSummary
+from tandem.orchestrator.rollout.curriculum import CuratedCursor
+from tandem.orchestrator.rollout.tasks import TaskSource
+from tandem.orchestrator.training.weights import weights_equal
 
-TINY = ModelConfig(
+TINY = MoEConfig(
+    vocab_size=266,
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
@@ -32,10 +41,17 @@ TINY = ModelConfig(
     head_dim=8,
     moe_intermediate_size=32,
     num_experts=4,
+    max_position_embeddings=4096,
     kv_split_size=16,
 )
 ENGINE = EngineConfig(max_slots=8, max_len=1024, max_new_tokens=6)
-ENV = EnvSettings(max_turns=1, allow_unsandboxed=True)
+ENV = EnvConfig(
+    max_turns=1,
+    allow_unsandboxed=True,
+    episode_wall_s=300.0,
+    grade_timeout_s=60.0,
+    system_prompt="Fix the bug with the tools, run the tests, then submit.",
+)
 
 
 def parity(sample) -> float:
@@ -57,23 +73,79 @@ class WeightRecorder:
         self.applied[version] = weights_equal(state, self.published[version])
 
 
+class TinyRun:
+    """An RL run as the ``reinforce`` stage builds it (tasks from 0 of the config's training
+    seed, metrics and checkpoints in ``run_dir``), keeping the pieces for tests to look at:
+    the policy, the loop, the task cursor and the backend it built last."""
+
+    def __init__(
+        self,
+        policy: MoETransformer,
+        config: RunConfig,
+        run_dir: Path,
+        hooks: RunHooks,
+        tasks: TaskSource | None = None,
+    ) -> None:
+        self.policy, self.config, self.run_dir = policy, config, Path(run_dir)
+        self.tasks = tasks or TaskSource(config.tasks, config.tasks.train_seed)
+        self.cursor = CuratedCursor(self.tasks, config.rl.curriculum, config.run.seed)
+        self.backend: Any = None
+        self.loop = RLRun(self._build, self.cursor, rl=config.rl, run_dir=self.run_dir, hooks=hooks)
+
+    def _build(self, start: BackendStart) -> Backend:
+        self.backend = build_backend(
+            start, policy=self.policy, config=self.config, tasks=self.tasks, run_dir=self.run_dir
+        )
+        return self.backend
+
+    def run(self) -> RunSummary:
+        return self.loop.run()
+
+    @property
+    def rollouts(self) -> Any:
+        return self.backend.rollouts
+
+    @property
+    def name(self) -> str:
+        return self.config.run.name
+
+
+def tiny_config(
+    run_dir: Path,
+    rl: RLConfig,
+    *,
+    env: EnvConfig = ENV,
+    check_rows: int = 0,
+    processes: int = 1,
+    tasks: TaskConfig | None = None,
+) -> RunConfig:
+    return RunConfig(
+        run=RunSettings(name=Path(run_dir).name, output_dir=str(Path(run_dir).parent)),
+        model=TINY,
+        tasks=tasks or TaskConfig(),
+        env=env,
+        engine=ENGINE,
+        trainer=TrainerConfig(lr=1e-2, routing_check_rows=check_rows, processes=processes),
+        rl=rl,
+    )
+
+
 def tiny_run(
     tmp_path: Path,
     rl: RLConfig,
     hooks: RunHooks,
     *,
-    env: EnvSettings = ENV,
+    env: EnvConfig = ENV,
     check_rows: int = 0,
     processes: int = 1,
     tasks: TaskSource | None = None,
-) -> RLRun:
-    return RLRun(
-        build_model(TINY, ByteTokenizer()),
-        rl=rl,
-        trainer=TrainerConfig(lr=1e-2, routing_check_rows=check_rows, processes=processes),
-        engine=ENGINE,
+) -> TinyRun:
+    config = tiny_config(
+        tmp_path,
+        rl,
         env=env,
-        tasks=tasks or TaskSource(TaskConfig(), 1),
-        run_dir=tmp_path,
-        hooks=hooks,
+        check_rows=check_rows,
+        processes=processes,
+        tasks=tasks.config if tasks is not None else None,
     )
+    return TinyRun(build_model(TINY, ByteTokenizer()), config, tmp_path, hooks, tasks)

@@ -8,26 +8,20 @@ import pytest
 from rl_helpers import ENGINE, ENV, TINY
 
 from tandem.app.demo_report import CATEGORY_COLUMNS, category_rows
-from tandem.orchestrator.config import TaskConfig
-from tandem.orchestrator.evaluate import CategoryScore, EvalResult
-from tandem.orchestrator.pipeline import evaluate_policy
-from tandem.orchestrator.policy import build_model
-from tandem.orchestrator.report import markdown_table
-from tandem.orchestrator.tasks import TaskSource
-from tandem.orchestrator.tokenizer import ByteTokenizer
+from tandem.orchestrator import RunConfig, build_model, evaluate_policy
+from tandem.orchestrator.artifacts.report import markdown_table
+from tandem.orchestrator.config import EvalConfig, TaskConfig
+from tandem.orchestrator.eval.passk import CategoryScore, EvalResult
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
+from tandem.orchestrator.rollout.tasks import TaskSource
 
 
 def test_evaluation_breaks_pass_at_1_down_by_the_tasks_categories() -> None:
     tasks = TaskConfig(functions=["gcd", "digit_sum"], functions_per_repo=1, eval_seed=77)
-    result = evaluate_policy(
-        build_model(TINY, ByteTokenizer()),
-        tasks=tasks,
-        env=ENV,
-        engine=ENGINE,
-        n_tasks=6,
-        samples=2,
-        seed=0,
+    config = RunConfig(
+        model=TINY, tasks=tasks, env=ENV, engine=ENGINE, eval=EvalConfig(tasks=6, samples=2)
     )
+    result = evaluate_policy(build_model(TINY, ByteTokenizer()), config)
     held_out = TaskSource(tasks, tasks.eval_seed).take(0, 6)
     expected = Counter(f"{t.metadata['function']}/{t.metadata['bug_kind']}" for t in held_out)
     assert {c: s.tasks for c, s in result.by_category.items()} == dict(expected)

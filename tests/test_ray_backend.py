@@ -31,21 +31,20 @@ import torch
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 ray = pytest.importorskip("ray")
 
-from rl_helpers import parity, tiny_run  # noqa: E402
+from rl_helpers import TinyRun, parity, tiny_run  # noqa: E402
 
 from tandem.app.config import load_config  # noqa: E402
 from tandem.app.pipeline_config import PipelineConfig  # noqa: E402
 from tandem.delta_sync import LocalStore, RelayStore, Subscriber  # noqa: E402
 from tandem.delta_sync.server import StoreServer  # noqa: E402
-from tandem.orchestrator.chat_format import ChatFormat  # noqa: E402
+from tandem.orchestrator.artifacts.metrics import read_metrics  # noqa: E402
+from tandem.orchestrator.backends.ray.worker import state_digest  # noqa: E402
 from tandem.orchestrator.config import RayConfig, RLConfig  # noqa: E402
-from tandem.orchestrator.metrics import read_metrics  # noqa: E402
+from tandem.orchestrator.inference.chat_format import ChatFormat  # noqa: E402
 from tandem.orchestrator.policy import build_model  # noqa: E402
-from tandem.orchestrator.ray_backend import state_digest  # noqa: E402
-from tandem.orchestrator.rl import RLRun, RunHooks  # noqa: E402
-from tandem.orchestrator.sharding import shard_name  # noqa: E402
-from tandem.orchestrator.tasks import TaskSource  # noqa: E402
-from tandem.orchestrator.weights import (  # noqa: E402
+from tandem.orchestrator.rl.hooks import RunHooks  # noqa: E402
+from tandem.orchestrator.shards import shard_name  # noqa: E402
+from tandem.orchestrator.training.weights import (  # noqa: E402
     state_for_sync,
     stream_store,
     weights_equal,
@@ -66,12 +65,13 @@ def _worker_digests(run) -> list[tuple[int, str]]:
     return ray.get([w.handle.digest.remote() for w in run.rollouts.live])
 
 
-def _demo_run(run_dir: Path, rl: RLConfig, hooks: RunHooks) -> RLRun:
+def _demo_run(run_dir: Path, rl: RLConfig, hooks: RunHooks) -> TinyRun:
     """An RL run with the demo config's model, tasks, episodes, engine and trainer (a fresh
     model: what matters here is that both backends compute the same numbers)."""
     cfg = load_config(PipelineConfig, ROOT / "configs" / "demo.toml")
-    return RLRun(
-        build_model(cfg.model, ChatFormat().tok),
+    config = msgspec.structs.replace(
+        cfg,
+        run=msgspec.structs.replace(cfg.run, name=run_dir.name, seed=0),
         rl=rl,
         # FSDP by default; a KL penalty, so every rank also scores with the reference policy
         trainer=msgspec.structs.replace(
@@ -79,12 +79,9 @@ def _demo_run(run_dir: Path, rl: RLConfig, hooks: RunHooks) -> RLRun:
             processes=2,
             loss=msgspec.structs.replace(cfg.trainer.loss, kl_coef=0.05),
         ),
-        engine=cfg.engine,
         env=msgspec.structs.replace(cfg.env, allow_unsandboxed=True),
-        tasks=TaskSource(cfg.tasks, cfg.tasks.train_seed),
-        run_dir=run_dir,
-        hooks=hooks,
     )
+    return TinyRun(build_model(config.model, ChatFormat().tok), config, run_dir, hooks)
 
 
 def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
@@ -114,7 +111,8 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     async def pool_figures() -> None:  # after each step: the last call's figures are kept
         pools[:] = await remote.rollouts.env_pool_stats()
         actor_pids[:] = [await w.handle.pid.remote() for w in remote.rollouts.live]
-        nices["trainer"] = [await r.__ray_call__.remote(thread_nices) for r in remote.trainer.ranks]
+        ranks = remote.backend.trainer.ranks
+        nices["trainer"] = [await r.__ray_call__.remote(thread_nices) for r in ranks]
         nices["engines"] = [
             await w.handle.__ray_call__.remote(thread_nices) for w in remote.rollouts.live
         ]
@@ -125,8 +123,8 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     def after_step(step: int, metrics: dict):
         # pipelined: after step k (trainer on k+1) every actor holds version k, the one
         # playing step k+1's groups
-        want[remote.trainer.policy_version] = state_digest(remote.current_weights())
-        behind = remote.trainer.policy_version - 1
+        want[remote.loop.version] = state_digest(remote.backend.trainer.weights())
+        behind = remote.loop.version - 1
         digests = _worker_digests(remote)
         engine_checks.append(
             len(digests) == 2 and all(v == behind and d == want[behind] for v, d in digests)
@@ -164,7 +162,7 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     assert len(pools) == 1 and pools[0]["served"] >= played and pools[0]["open"] == 0
     assert pools[0]["pid"] not in actor_pids and pools[0]["pid"] != os.getpid()
     # FSDP: each rank published only its own dim-0 shards, which the engines reassembled
-    store = stream_store(remote.rl.weights_store, remote.run_dir, remote.stream)
+    store = stream_store(remote.config.rl.weights_store, remote.run_dir, remote.loop.stream)
     published = Subscriber(store).manifest(3).tensors()
     whole = state_for_sync(remote.policy)
     assert set(published) == {shard_name(name, rank, 2) for name in whole for rank in range(2)}
@@ -212,12 +210,12 @@ def test_a_killed_actor_is_replaced_and_its_groups_played_again(tmp_path: Path, 
     assert summary.steps_done == 5 and summary.policy_version == 5
     assert len(killed) == 1
     assert run.rollouts.lost == 1
-    assert run.requeued_total >= 1  # the killed actor had groups in flight
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[-1]["groups_requeued"] >= 1  # the killed actor had groups in flight
     assert groups and all(n == 3 for n in groups)  # only whole groups reached the trainer
     sizes = [n for _, n in run.rollouts.pool_sizes]
     assert 1 in sizes and sizes[-1] == 2  # it was replaced
     assert "rollout-2" in run.rollouts.assigned  # the replacement took groups
-    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(5))
 
 
@@ -242,7 +240,7 @@ def test_workers_join_and_leave_while_training_runs(tmp_path: Path, cluster) -> 
 
     async def resize(step: int, metrics: dict) -> None:
         if step == 1:
-            version = run.trainer.policy_version
+            version = run.loop.version
             # the command a user runs from any machine that reaches the cluster
             cli = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -298,13 +296,14 @@ def test_a_worker_joining_a_pool_that_does_not_follow_starts_on_the_pool_version
     the groups it replays get the weights they were meant for."""
     from rl_helpers import ENGINE, ENV, TINY
 
-    from tandem.orchestrator.config import TaskConfig
-    from tandem.orchestrator.ray_backend import RayRollouts, WorkerSpec
-    from tandem.orchestrator.tokenizer import ByteTokenizer
-    from tandem.orchestrator.weights import WeightPublisher
+    from tandem.orchestrator.backends.ray.rollouts import RayRollouts
+    from tandem.orchestrator.backends.ray.worker import WorkerSpec
+    from tandem.orchestrator.config import EpisodeConfig, TaskConfig
+    from tandem.orchestrator.inference.tokenizer import ByteTokenizer
+    from tandem.orchestrator.training.weights import WeightPublisher
 
     policy = build_model(TINY, ByteTokenizer())
-    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
+    publisher = WeightPublisher(LocalStore(str(tmp_path)), policy, anchor_every=10)
     digests: dict[int, str] = {}
 
     def publish(version: int) -> None:
@@ -312,7 +311,7 @@ def test_a_worker_joining_a_pool_that_does_not_follow_starts_on_the_pool_version
             with torch.no_grad():
                 for p in policy.parameters():
                     p.add_(torch.randn_like(p) * 1e-2)
-        publisher.publish(version, policy)
+        publisher.publish(version)
         digests[version] = state_digest(state_for_sync(policy))
 
     publish(0)
@@ -321,6 +320,7 @@ def test_a_worker_joining_a_pool_that_does_not_follow_starts_on_the_pool_version
         model=policy.config,
         engine=ENGINE,
         env=ENV,
+        episode=EpisodeConfig(),
         tasks=TaskConfig(),
         task_seed=1,
         task_offset=0,

@@ -12,10 +12,9 @@ import pytest
 import ray
 import structlog
 
-from tandem.orchestrator.backends import check_cluster_fits
+from tandem.orchestrator.backends.ray.cluster import check_cluster_fits, connect
 from tandem.orchestrator.config import ConfigValueError, RayConfig, RLConfig
-from tandem.orchestrator.ray_backend import connect
-from tandem.orchestrator.rl import RunHooks
+from tandem.orchestrator.rl.hooks import RunHooks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rl_helpers import parity, tiny_run

@@ -27,14 +27,16 @@ import pytest
 import torch
 from rl_helpers import ENGINE, TINY, WeightRecorder, parity, tiny_run
 
+from tandem.agent_env import EnvConfig
 from tandem.delta_sync import LocalStore, StoreError
-from tandem.orchestrator import rl as rl_module
-from tandem.orchestrator import rollouts as rollouts_module
-from tandem.orchestrator.config import CurriculumConfig, EnvSettings, RLConfig, TaskConfig
-from tandem.orchestrator.metrics import read_metrics
-from tandem.orchestrator.rl import RunHooks
-from tandem.orchestrator.tasks import TaskSource
-from tandem.orchestrator.threads import torch_threads
+from tandem.orchestrator.artifacts.metrics import read_metrics
+from tandem.orchestrator.backends import local as local_backend
+from tandem.orchestrator.config import CurriculumConfig, RLConfig, TaskConfig
+from tandem.orchestrator.rl import signal as signal_module
+from tandem.orchestrator.rl.hooks import RunHooks
+from tandem.orchestrator.rollout import group as group_module
+from tandem.orchestrator.rollout.tasks import TaskSource
+from tandem.orchestrator.runtime.threads import torch_threads
 
 
 def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
@@ -98,7 +100,7 @@ def test_pipelined_steps_train_on_the_version_before_and_repeat_bit_for_bit(
     1 train on version 0's groups and every later step on the version just before the
     trainer's (staleness 1); the schedule does not depend on timing, so a second run gives
     the same weights bit for bit."""
-    from tandem.orchestrator.weights import state_for_sync, weights_equal
+    from tandem.orchestrator.training.weights import state_for_sync, weights_equal
 
     rl = RLConfig(mode="pipelined", steps=4, group_size=3, groups_per_step=2, checkpoint_every=9)
     runs = []
@@ -123,24 +125,29 @@ def test_pipelined_steps_train_on_the_version_before_and_repeat_bit_for_bit(
 _SCRIPT = textwrap.dedent(
     """
     import sys
-    from tandem.orchestrator.config import EngineConfig, EnvSettings, ModelConfig, RayConfig, RLConfig, TaskConfig, TrainerConfig
-    from tandem.orchestrator.policy import build_model
-    from tandem.orchestrator.rl import RLRun, RunHooks
-    from tandem.orchestrator.tasks import TaskSource
-    from tandem.orchestrator.tokenizer import ByteTokenizer
+    from pathlib import Path
+    from tandem.moe_determinism import MoEConfig
+    from tandem.orchestrator import RunConfig, RunHooks, RunSettings, build_model, reinforce
+    from tandem.orchestrator.config import EngineConfig, RayConfig, RLConfig, TrainerConfig
+    from tandem.agent_env import EnvConfig
+    from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 
-    model = ModelConfig(**{model!r})
-    run = RLRun(
-        build_model(model, ByteTokenizer()),
+    run_dir = Path(sys.argv[1])
+    config = RunConfig(
+        run=RunSettings(name=run_dir.name, output_dir=str(run_dir.parent)),
+        model=MoEConfig(**{model!r}),
         rl=RLConfig(mode="sync", steps=4, group_size=3, groups_per_step=2, checkpoint_every=1, {backend}),
         trainer=TrainerConfig(lr=1e-2, routing_check_rows=0, processes={processes}),
         engine=EngineConfig(max_slots=8, max_len=1024, max_new_tokens=6),
-        env=EnvSettings(max_turns=1, allow_unsandboxed=True),
-        tasks=TaskSource(TaskConfig(), 1),
-        run_dir=sys.argv[1],
+        env=EnvConfig(max_turns=1, allow_unsandboxed=True),
+    )
+    s = reinforce(
+        build_model(config.model, ByteTokenizer()),
+        config,
+        run_dir=run_dir,
+        task_offset=0,
         hooks=RunHooks(reward=lambda s: float(sum(s.tokens[-len(s.tokens) // 3:]) % 2)),
     )
-    s = run.run()
     print("DONE", s.steps_done, s.policy_version, flush=True)
     """
 )
@@ -244,7 +251,7 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
         stores.append(FlakyStore(str(run_dir / "weights" / f"stream-{stream:04d}")))
         return stores[-1]
 
-    monkeypatch.setattr(rl_module, "stream_store", flaky_stream_store)
+    monkeypatch.setattr(local_backend, "stream_store", flaky_stream_store)
     sync = WeightRecorder()
     during_outage: list[int] = []  # policy versions of groups finished while the store was down
 
@@ -284,10 +291,10 @@ def test_store_outage_delays_sync_without_stopping_rollouts(tmp_path: Path, monk
 
 
 def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, monkeypatch) -> None:
-    real_run_episode = rollouts_module.run_episode
+    real_run_episode = group_module.run_token_episode
     stuck = {"started": 0, "released": 0}
 
-    async def run_episode(server, *args, **kwargs):
+    async def run_token_episode(server, *args, **kwargs):
         if stuck["started"] == 0:  # the very first episode hangs (a stalled sandbox, say)
             stuck["started"] += 1
             slot = await server.acquire()
@@ -298,7 +305,7 @@ def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, mon
                 stuck["released"] += 1
         return await real_run_episode(server, *args, **kwargs)
 
-    monkeypatch.setattr(rollouts_module, "run_episode", run_episode)
+    monkeypatch.setattr(group_module, "run_token_episode", run_token_episode)
     groups: list[int] = []
     rl = RLConfig(
         mode="async",
@@ -309,7 +316,7 @@ def test_an_episode_stuck_past_its_budget_is_cut_and_counted(tmp_path: Path, mon
         rollout_workers=1,  # the one worker is held by the stuck group until it is cut
         checkpoint_every=2,
     )
-    env = EnvSettings(max_turns=1, allow_unsandboxed=True, episode_wall_s=2.0, grade_timeout_s=1.0)
+    env = EnvConfig(max_turns=1, allow_unsandboxed=True, episode_wall_s=2.0, grade_timeout_s=1.0)
     hooks = RunHooks(reward=parity, on_group=lambda g: groups.append(len(g.samples)))
     run = tiny_run(tmp_path, rl, hooks, env=env)
     summary = run.run()
@@ -324,13 +331,13 @@ def test_more_trainer_ranks_than_groups_is_refused_at_start(tmp_path: Path) -> N
     from tandem.orchestrator.config import ConfigValueError
 
     rl = RLConfig(mode="sync", steps=1, group_size=3, groups_per_step=2)
-    with pytest.raises(ConfigValueError, match=r"trainer\.processes \(3\) exceeds rl\.groups_per"):
+    with pytest.raises(ConfigValueError, match=r"trainer\.processes: 3 ranks for rl\.groups_per"):
         tiny_run(tmp_path, rl, RunHooks(), processes=3)
 
 
 def test_a_long_run_of_equal_reward_groups_is_reported(tmp_path: Path, monkeypatch) -> None:
     every = 4
-    monkeypatch.setattr(rl_module, "NO_SIGNAL_REPORT_EVERY", every)
+    monkeypatch.setattr(signal_module, "NO_SIGNAL_REPORT_EVERY", every)
     warnings: list[dict] = []
 
     class Log:  # the run's logger (structlog may cache loggers, so it is swapped, not captured)
@@ -341,7 +348,7 @@ def test_a_long_run_of_equal_reward_groups_is_reported(tmp_path: Path, monkeypat
         def __getattr__(self, name: str):
             return lambda *a, **kw: None
 
-    monkeypatch.setattr(rl_module, "log", Log())
+    monkeypatch.setattr(signal_module, "log", Log())
     rl = RLConfig(mode="sync", steps=1, group_size=2, groups_per_step=1, checkpoint_every=5)
     scored = []
 
@@ -379,8 +386,8 @@ def test_the_curriculum_passes_over_tasks_of_a_category_without_signal(tmp_path:
     run = tiny_run(tmp_path, rl, RunHooks(reward=reward), tasks=source)
     summary = run.run()
     assert summary.steps_done == 3
-    passed = [t.id for t in source.take(0, run.cursor) if t.id not in set(played)]
-    assert passed and len(passed) == run.curriculum.skipped
+    passed = [t.id for t in source.take(0, run.cursor.cursor) if t.id not in set(played)]
+    assert passed and len(passed) == run.cursor.skipped
     assert {function[i] for i in passed} == {"gcd"}
     gcd_played = {i for i in played if function[i] == "gcd"}
     assert len(gcd_played) < len(passed)  # most of that function's tasks were passed over

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.config import AppConfig, apply_overrides, dump_config, load_config, parse_override
+from tandem.app.config import apply_overrides, dump_config, load_config, parse_override
 from tandem.app.errors import ConfigError
+from tandem.app.pipeline_config import PipelineConfig
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -18,7 +19,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_loads_toml_and_keeps_defaults(tmp_path: Path) -> None:
-    cfg = load_config(AppConfig, _write(tmp_path, '[run]\nname = "exp"\n'))
+    cfg = load_config(PipelineConfig, _write(tmp_path, '[run]\nname = "exp"\n'))
     assert cfg.run.name == "exp"
     assert cfg.run.seed == 0
     assert cfg.logging.format == "auto"
@@ -28,28 +29,30 @@ def test_loads_toml_and_keeps_defaults(tmp_path: Path) -> None:
     ("text", "key"),
     [
         ("[run]\nnmae = 'x'\n", "run.nmae"),
-        ("[trainer]\nlr = 1e-6\n", "trainer"),
+        ("[trainer]\nlrate = 1e-6\n", "trainer.lrate"),
+        ("[trainr]\nlr = 1e-6\n", "trainr"),
+        ("[env.sandbox.limits]\npid = 3\n", "env.sandbox.limits.pid"),
         ("extra = 1\n", "extra"),
     ],
 )
 def test_unknown_key_is_named(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError, match=rf"unknown key `{key}`"):
-        load_config(AppConfig, _write(tmp_path, text))
+        load_config(PipelineConfig, _write(tmp_path, text))
 
 
 def test_wrong_type_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"run\.seed: Expected `int`, got `str`"):
-        load_config(AppConfig, _write(tmp_path, "[run]\nseed = 'three'\n"))
+        load_config(PipelineConfig, _write(tmp_path, "[run]\nseed = 'three'\n"))
 
 
 def test_validation_in_struct_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"logging: level must be one of"):
-        load_config(AppConfig, None, ["logging.level=loud"])
+        load_config(PipelineConfig, None, ["logging.level=loud"])
 
 
 def test_overrides_win_over_file_and_are_typed(tmp_path: Path) -> None:
     path = _write(tmp_path, "[run]\nseed = 1\nname = 'a'\n")
-    cfg = load_config(AppConfig, path, ["run.seed=7", "run.name=b c", "run.output_dir='/x/y'"])
+    cfg = load_config(PipelineConfig, path, ["run.seed=7", "run.name=b c", "run.output_dir='/x/y'"])
     assert (cfg.run.seed, cfg.run.name, cfg.run.output_dir) == (7, "b c", "/x/y")
 
 
@@ -86,32 +89,47 @@ def test_overrides_do_not_mutate_input() -> None:
 
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(AppConfig, tmp_path / "nope.toml")
+        load_config(PipelineConfig, tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
-        load_config(AppConfig, _write(tmp_path, "[run\n"))
+        load_config(PipelineConfig, _write(tmp_path, "[run\n"))
+
+
+def test_dump_shows_every_setting_and_loads_back_to_the_same_config(tmp_path: Path) -> None:
+    """Library configs nested as they are (the sandbox's limits too); settings TOML cannot
+    write (None) appear as comments, and the dump loads back to an equal config."""
+    cfg = load_config(PipelineConfig, None, ["trainer.loss.is_lower=0.5", "env.max_turns=7"])
+    text = dump_config(cfg)
+    assert "[env.sandbox.limits]" in text and "pids = 256" in text
+    assert "# dual_clip = (unset)" in text and "is_lower = 0.5" in text
+    assert load_config(PipelineConfig, _write(tmp_path, text)) == cfg
 
 
 def test_dump_round_trips() -> None:
-    cfg = load_config(AppConfig, None, ["run.seed=5", "logging.level=debug"])
+    cfg = load_config(PipelineConfig, None, ["run.seed=5", "logging.level=debug"])
     text = dump_config(cfg)
     assert tomllib.loads(text)["run"]["seed"] == 5
-    again = load_config(AppConfig, None, [])
+    again = load_config(PipelineConfig, None, [])
     assert again != cfg
-    path_cfg = load_config(AppConfig, None, [f"run.seed={cfg.run.seed}", "logging.level=debug"])
+    path_cfg = load_config(
+        PipelineConfig, None, [f"run.seed={cfg.run.seed}", "logging.level=debug"]
+    )
     assert path_cfg == cfg
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("trainer.loss.kl_coef=-0.1", r"trainer\.loss: kl_coef: must be a finite number >= 0"),
+        ("trainer.loss.kl_coef=-0.1", r"trainer\.loss: GRPOConfig\.kl_coef=-0\.1: must be a fin"),
         ("trainer.loss.kl_estimator='k4'", r"trainer\.loss\.kl_estimator"),
-        ("trainer.loss.micro_batch_size=0", r"trainer\.loss: micro_batch_size: must be >= 1"),
+        ("trainer.loss.micro_batch_size=0", r"trainer\.loss: GRPOConfig\.micro_batch_size=0"),
+        ("trainer.loss.entropy_coef=0.1", r"trainer: loss\.entropy_coef: must be 0"),
         ("rl.torch_threads=-1", r"rl: torch_threads: must be >= 0"),
+        ("env.max_turns=0", r"env: max_turns must be >= 1"),
+        ("env.sandbox.limits.pids=0", r"env\.sandbox\.limits: pids must be > 0"),
+        ("model.num_experts_per_tok=9", r"model: num_experts_per_tok must be in"),
+        ("trainer.processes=5", r"trainer\.processes: 5 ranks for rl\.groups_per_step = 4"),
     ],
 )
-def test_bad_loss_settings_fail_when_the_config_loads(override: str, message: str) -> None:
-    from tandem.app.pipeline_config import PipelineConfig
-
+def test_bad_library_settings_fail_when_the_config_loads(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(PipelineConfig, None, [override])

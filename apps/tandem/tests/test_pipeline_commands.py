@@ -57,11 +57,13 @@ def test_midtrain_without_usable_transcripts_names_the_keys(tmp_path, capsys) ->
 
 
 def test_eval_prints_pass_at_1_per_task_category(tmp_path, capsys) -> None:
-    from tandem.orchestrator.config import ModelConfig
-    from tandem.orchestrator.policy import build_model, save_policy
-    from tandem.orchestrator.tokenizer import ByteTokenizer
+    from tandem.moe_determinism import MoEConfig
+    from tandem.orchestrator import build_model, save_policy
+    from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 
-    tiny = ModelConfig(hidden_size=32, num_hidden_layers=1, head_dim=8, moe_intermediate_size=32)
+    tiny = MoEConfig(
+        vocab_size=266, hidden_size=32, num_hidden_layers=1, head_dim=8, moe_intermediate_size=32
+    )
     save_policy(build_model(tiny, ByteTokenizer()), tmp_path / "policy", stage="test")
     code = main(
         [

@@ -7,13 +7,16 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tandem.orchestrator.chat_format import ChatFormat
-from tandem.orchestrator.config import EngineConfig, ModelConfig
-from tandem.orchestrator.engine import InferenceEngine
-from tandem.orchestrator.episode import Sample, episode_generator
+from tandem.moe_determinism import MoEConfig
+from tandem.orchestrator.config import EngineConfig
+from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.inference.embedded.engine import InferenceEngine
 from tandem.orchestrator.policy import build_model, clone_model
+from tandem.orchestrator.rollout.episode import episode_generator
+from tandem.orchestrator.wire import Sample
 
-TINY = ModelConfig(
+TINY = MoEConfig(
+    vocab_size=266,
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
@@ -23,8 +26,9 @@ TINY = ModelConfig(
     num_experts=4,
     num_experts_per_tok=2,
     kv_split_size=16,
-    init_seed=3,
+    max_position_embeddings=4096,
 )
+TINY_SEED = 3
 
 
 @pytest.fixture
@@ -34,7 +38,7 @@ def chat() -> ChatFormat:
 
 @pytest.fixture
 def tiny_policy(chat: ChatFormat):
-    return build_model(TINY, chat.tok)
+    return build_model(TINY, chat.tok, seed=TINY_SEED)
 
 
 def drive(

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 # run as a script, so this directory is on sys.path: the tests' tiny policy config
-from conftest import TINY
+from conftest import TINY, TINY_SEED
 from tandem.delta_sync import LocalStore
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 from tandem.orchestrator.policy import build_model
-from tandem.orchestrator.tokenizer import ByteTokenizer
-from tandem.orchestrator.weights import WeightPublisher, state_for_sync
+from tandem.orchestrator.training.weights import WeightPublisher, state_for_sync
 
 
 def main(out_dir: str, store_dir: str) -> None:
@@ -30,10 +30,16 @@ def main(out_dir: str, store_dir: str) -> None:
     accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs])
     rank, world = accelerator.process_index, accelerator.num_processes
     torch.manual_seed(0)
-    policy = build_model(TINY, ByteTokenizer())
+    policy = build_model(TINY, ByteTokenizer(), seed=TINY_SEED)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(policy, optimizer)
-    publisher = WeightPublisher(LocalStore(store_dir), anchor_every=2, rank=rank, world=world)
+    publisher = WeightPublisher(
+        LocalStore(store_dir),
+        accelerator.unwrap_model(model),
+        anchor_every=2,
+        rank=rank,
+        world=world,
+    )
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     saved = {}
     for version in range(4):
@@ -44,7 +50,7 @@ def main(out_dir: str, store_dir: str) -> None:
             optimizer.zero_grad()
             accelerator.backward(loss)
             optimizer.step()
-        publisher.publish(version, accelerator.unwrap_model(model))
+        publisher.publish(version)
         saved[version] = {k: v.clone() for k, v in state_for_sync(policy).items()}
     assert set(publisher.publisher._prev) == publisher.names  # never held the other part
     torch.save(

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from tandem.orchestrator.allocator import reuse_freed_memory
+from tandem.orchestrator.runtime.allocator import reuse_freed_memory
 
 CHILD = """
 import ctypes, json, sys, threading
 import numpy as np
-from tandem.orchestrator.allocator import reuse_freed_memory
+from tandem.orchestrator.runtime.allocator import reuse_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (

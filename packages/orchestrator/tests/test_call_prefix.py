@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.agent_env import Env
-from tandem.orchestrator.call_prefix import CallPrefix, tool_arguments
-from tandem.orchestrator.chat_format import ChatFormat, ToolCall, ToolCallFormatError
+from tandem.orchestrator.inference.call_prefix import CallPrefix, tool_arguments
+from tandem.orchestrator.inference.chat_format import ChatFormat, ToolCall, ToolCallFormatError
 
 TOOLS = tool_arguments(Env.tool_schemas())
 CHAT = ChatFormat()
@@ -191,12 +191,13 @@ def _generated_turns(sample) -> list[list[int]]:
 
 
 def test_episodes_follow_the_engine_setting(chat, tiny_policy, make_engine) -> None:
-    """With ``stop_malformed`` a turn's first rejected token is its last; without, it is not."""
+    """With ``stop_malformed`` (the engine config's) a turn's first rejected token is its
+    last; without, it is not."""
     import asyncio
 
     from tandem.agent_env import EnvConfig, generate_tasks
-    from tandem.orchestrator.episode import episode_generator, run_episode
-    from tandem.orchestrator.server import EngineServer
+    from tandem.orchestrator.inference.embedded.server import EngineServer
+    from tandem.orchestrator.rollout.episode import episode_generator, run_token_episode
 
     task = generate_tasks(seed=0, n=1)[0]
     config = EnvConfig(max_turns=3, allow_unsandboxed=True)
@@ -211,7 +212,7 @@ def test_episodes_follow_the_engine_setting(chat, tiny_policy, make_engine) -> N
                 return list(
                     await asyncio.gather(
                         *(
-                            run_episode(
+                            run_token_episode(
                                 server,
                                 chat,
                                 task,
@@ -219,6 +220,7 @@ def test_episodes_follow_the_engine_setting(chat, tiny_policy, make_engine) -> N
                                 max_new_tokens=24,
                                 max_observation_chars=200,
                                 generator=episode_generator(0, j),
+                                stop_malformed=stop,
                             )
                             for j in range(6)
                         )

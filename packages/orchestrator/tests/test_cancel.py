@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem.orchestrator.cancel import cancel_and_wait
+from tandem.orchestrator.runtime.cancel import cancel_and_wait
 
 
 async def _stubborn(swallowed: list[int]) -> None:

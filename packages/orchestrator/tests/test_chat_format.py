@@ -6,8 +6,13 @@ import json
 
 import pytest
 
-from tandem.orchestrator.chat_format import ChatFormat, ToolCall, ToolCallFormatError
-from tandem.orchestrator.tokenizer import NUM_BYTES, SPECIAL_TOKENS, ByteTokenizer, TokenizerError
+from tandem.orchestrator.inference.chat_format import ChatFormat, ToolCall, ToolCallFormatError
+from tandem.orchestrator.inference.tokenizer import (
+    NUM_BYTES,
+    SPECIAL_TOKENS,
+    ByteTokenizer,
+    TokenizerError,
+)
 
 TOK = ByteTokenizer()
 FMT = ChatFormat(TOK)

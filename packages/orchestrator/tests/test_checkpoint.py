@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.orchestrator.checkpoint import CheckpointError, CheckpointManager
+from tandem.orchestrator.artifacts.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    load_weights,
+    optimizer_state,
+)
 
 
 def _model_and_opt(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -38,13 +43,23 @@ def test_resume_continues_bit_exactly(tmp_path: Path) -> None:
     model, opt = _model_and_opt(0)
     _train(model, opt, 3)
     ckpt = CheckpointManager(tmp_path)
-    ckpt.save(3, model=model, optimizer=opt, policy_version=3, task_cursor=48, extra={"k": 1})
+    ckpt.save(
+        3,
+        model_state=model.state_dict(),
+        optimizer_state=opt.state_dict(),
+        policy_version=3,
+        task_cursor=48,
+        extra={"k": 1},
+    )
     _train(model, opt, 3)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
 
     # Restart from the checkpoint in a fresh model with a different init and RNG state.
     model2, opt2 = _model_and_opt(123)
-    meta = ckpt.load(model=model2, optimizer=opt2)
+    loaded = ckpt.load()
+    load_weights(model2, loaded)
+    opt2.load_state_dict(optimizer_state(loaded))
+    meta = loaded.meta
     assert (meta.step, meta.policy_version, meta.task_cursor, meta.extra) == (3, 3, 48, {"k": 1})
     _train(model2, opt2, 3)
     for k, v in model2.state_dict().items():
@@ -56,13 +71,15 @@ def test_rng_states_are_restored(tmp_path: Path) -> None:
     random.seed(1)
     np.random.seed(1)
     ckpt = CheckpointManager(tmp_path)
-    ckpt.save(1, model=model, optimizer=None, policy_version=1, task_cursor=0)
+    ckpt.save(
+        1, model_state=model.state_dict(), optimizer_state=None, policy_version=1, task_cursor=0
+    )
     draws = (random.random(), float(np.random.rand()), torch.rand(1).item())
     random.seed(2)
     np.random.seed(2)
     torch.manual_seed(2)
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) != draws
-    ckpt.load(model=model, optimizer=None)
+    ckpt.load()
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == draws
 
 
@@ -71,21 +88,29 @@ def test_keeps_newest_and_latest_pointer(tmp_path: Path) -> None:
     ckpt = CheckpointManager(tmp_path, keep=2)
     assert ckpt.latest_step() is None
     for step in (1, 2, 3):
-        ckpt.save(step, model=model, optimizer=opt, policy_version=step, task_cursor=0)
+        ckpt.save(
+            step,
+            model_state=model.state_dict(),
+            optimizer_state=opt.state_dict(),
+            policy_version=step,
+            task_cursor=0,
+        )
     assert ckpt.steps() == [2, 3]
     assert ckpt.latest_step() == 3
 
 
 def test_errors_are_clear(tmp_path: Path) -> None:
-    model, opt = _model_and_opt(0)
+    model, _ = _model_and_opt(0)
     ckpt = CheckpointManager(tmp_path)
     with pytest.raises(CheckpointError, match="no checkpoint"):
-        ckpt.load(model=model, optimizer=opt)
-    ckpt.save(1, model=model, optimizer=None, policy_version=1, task_cursor=0)
+        ckpt.load()
+    ckpt.save(
+        1, model_state=model.state_dict(), optimizer_state=None, policy_version=1, task_cursor=0
+    )
     with pytest.raises(CheckpointError, match="no optimizer state"):
-        ckpt.load(model=model, optimizer=opt)
+        optimizer_state(ckpt.load())
     with pytest.raises(CheckpointError, match="does not fit this model"):
-        ckpt.load(model=torch.nn.Linear(3, 3), optimizer=None)
+        load_weights(torch.nn.Linear(3, 3), ckpt.load())
     (tmp_path / "latest").write_text('{"step": 7}')
     with pytest.raises(CheckpointError, match="incomplete"):
         ckpt.latest_step()
@@ -96,14 +121,14 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys, torch
-        from tandem.orchestrator.checkpoint import CheckpointManager
+        from tandem.orchestrator.artifacts.checkpoint import CheckpointManager
         ckpt = CheckpointManager({str(tmp_path)!r}, keep=5)
         small = torch.nn.Linear(2, 2)
-        ckpt.save(1, model=small, optimizer=None, policy_version=1, task_cursor=10)
+        ckpt.save(1, model_state=small.state_dict(), optimizer_state=None, policy_version=1, task_cursor=10)
         print("saved", flush=True)
         big = torch.nn.Linear(2048, 2048)
         for step in range(2, 1000):
-            ckpt.save(step, model=big, optimizer=None, policy_version=step, task_cursor=step)
+            ckpt.save(step, model_state=big.state_dict(), optimizer_state=None, policy_version=step, task_cursor=step)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -124,5 +149,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     step = ckpt.latest_step()
     assert step is not None and step >= 1
     model = torch.nn.Linear(2, 2) if step == 1 else torch.nn.Linear(2048, 2048)
-    meta = ckpt.load(model=model, optimizer=None, restore_rngs=False)
+    loaded = ckpt.load(restore_rngs=False)
+    load_weights(model, loaded)
+    meta = loaded.meta
     assert meta.step == step and meta.task_cursor == (10 if step == 1 else step)

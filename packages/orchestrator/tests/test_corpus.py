@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.orchestrator.corpus import (
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
+from tandem.orchestrator.midtrain.corpus import (
     CorpusError,
     code_windows,
     find_python_files,
@@ -16,7 +17,6 @@ from tandem.orchestrator.corpus import (
     pack_windows,
     stdlib_root,
 )
-from tandem.orchestrator.tokenizer import ByteTokenizer
 
 
 def test_finds_real_stdlib_code_without_tests() -> None:

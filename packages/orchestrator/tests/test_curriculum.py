@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tandem.agent_env import HiddenTests, Task
-from tandem.orchestrator.config import ConfigValueError, CurriculumConfig
-from tandem.orchestrator.curriculum import SaturationFilter
+from tandem.orchestrator.config import ConfigValueError, CurriculumConfig, TaskConfig
+from tandem.orchestrator.rollout.curriculum import CuratedCursor, SaturationFilter
+from tandem.orchestrator.rollout.tasks import TaskSource
 
 
 def task(function: str, kind: str = "off_by_one") -> Task:
@@ -85,3 +86,21 @@ def test_choices_depend_on_seed_and_index_and_survive_a_checkpoint() -> None:
 def test_bad_settings_name_the_key(kwargs: dict, key: str) -> None:
     with pytest.raises(ConfigValueError, match=f"^{key}:"):
         CurriculumConfig(**kwargs)
+
+
+def test_the_cursor_passes_over_saturated_tasks_and_resumes_from_its_state() -> None:
+    source = TaskSource(TaskConfig(functions=["gcd", "digit_sum"], kinds=["off_by_one"]), 1)
+    cursor = CuratedCursor(
+        source, CurriculumConfig(enabled=True, keys=["function"], window=1, keep=0.2), seed=0
+    )
+    first = cursor.next_index()
+    cursor.record(first, [1.0, 1.0])  # no signal: that function is saturated now
+    saturated = source[first].metadata["function"]
+    state = cursor.state()
+    picked = [cursor.next_index() for _ in range(40)]
+    passed = set(range(first + 1, cursor.cursor)) - set(picked)
+    assert passed and cursor.skipped == len(passed)
+    assert {source[i].metadata["function"] for i in passed} == {saturated}
+    again = CuratedCursor(source, cursor.filter.config, seed=0)
+    again.load(state)  # a resumed run picks the same tasks
+    assert [again.next_index() for _ in range(40)] == picked

@@ -9,9 +9,11 @@ import torch
 from tandem.delta_sync import LocalStore
 from tandem.moe_determinism import batch_invariant
 from tandem.orchestrator.config import TrainerConfig
-from tandem.orchestrator.engine import EngineError
-from tandem.orchestrator.trainer import RLTrainer, collate, score
-from tandem.orchestrator.weights import WeightPublisher, state_for_sync, weights_equal
+from tandem.orchestrator.inference.embedded.engine import EngineError
+from tandem.orchestrator.training.collate import collate
+from tandem.orchestrator.training.scoring import score
+from tandem.orchestrator.training.trainer import RLTrainer
+from tandem.orchestrator.training.weights import WeightPublisher, state_for_sync, weights_equal
 
 
 def _episodes(chat, h):
@@ -53,8 +55,8 @@ def test_trainer_step_reports_zero_mismatch_and_full_agreement(
     engine = make_engine(tiny_policy)
     samples = helpers.drive(engine, chat, _episodes(chat, helpers) + _episodes(chat, helpers)[:1])
     trainer = RLTrainer(tiny_policy, TrainerConfig(lr=1e-3, routing_check_rows=4))
-    metrics = trainer.step([samples[:2], samples[2:]])
-    assert metrics["step_applied"] == 1.0 and trainer.policy_version == 1
+    metrics = trainer.step([samples[:2], samples[2:]], 0)
+    assert metrics["step_applied"] == 1.0
     assert metrics["same_version_samples"] == 4
     assert metrics["mismatch_tokens"] > 0
     assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_frac_differ"] == 0.0
@@ -78,7 +80,7 @@ def test_tempered_logprobs_equal_trainer_bit_for_bit(
     assert torch.equal(tempered[mask].view(torch.int32), rollout_bits)
     assert not torch.equal(plain[mask], batch.rollout_logprobs[mask])  # temperature matters
     trainer = RLTrainer(tiny_policy, TrainerConfig(lr=1e-3, routing_check_rows=2), temperature=0.7)
-    metrics = trainer.step([samples[:2], samples[2:]])
+    metrics = trainer.step([samples[:2], samples[2:]], 0)
     assert metrics["mismatch_tokens"] > 0 and metrics["mismatch_max_abs"] == 0.0
 
 
@@ -93,13 +95,13 @@ def test_sampling_does_not_depend_on_the_batch(chat, tiny_policy, make_engine, h
 def _next_version(policy, tmp_path):
     """Publish ``policy`` as version 0, nudge its weights, publish version 1 and return
     version 1 prepared for a subscriber at version 0 (the policy keeps the new weights)."""
-    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
-    publisher.publish(0, policy)
+    publisher = WeightPublisher(LocalStore(str(tmp_path)), policy, anchor_every=10)
+    publisher.publish(0)
     sub = publisher.subscriber(0)
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
-    publisher.publish(1, policy)
+    publisher.publish(1)
     return sub.prepare()
 
 

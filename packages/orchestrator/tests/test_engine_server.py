@@ -11,14 +11,16 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.agent_env import EnvConfig
 from tandem.delta_sync import LocalStore
-from tandem.orchestrator.config import EngineConfig, EnvSettings, RayConfig, TaskConfig
-from tandem.orchestrator.engine import InferenceEngine
+from tandem.orchestrator.backends.ray.rollouts import RayRollouts, _Worker
+from tandem.orchestrator.backends.ray.worker import WorkerSpec
+from tandem.orchestrator.config import EngineConfig, EpisodeConfig, RayConfig, TaskConfig
+from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+from tandem.orchestrator.inference.embedded.server import EngineServer
 from tandem.orchestrator.policy import clone_model
-from tandem.orchestrator.ray_backend import RayRollouts, WorkerSpec, _Worker
-from tandem.orchestrator.rollouts import WorkerLost
-from tandem.orchestrator.server import EngineServer, EngineStopped
-from tandem.orchestrator.weights import WeightPublisher, state_for_sync, weights_equal
+from tandem.orchestrator.protocols import EngineStopped, WorkerLost
+from tandem.orchestrator.training.weights import WeightPublisher, state_for_sync, weights_equal
 
 
 class _CountingSubscriber:
@@ -50,8 +52,8 @@ def test_overlapping_pulls_prepare_one_after_another(chat, tiny_policy, tmp_path
     version the other applied, never both from the same base (the second then could not be
     applied and would stop the engine)."""
     engine = InferenceEngine(clone_model(tiny_policy), EngineConfig(), stop_id=chat.end_id)
-    publisher = WeightPublisher(LocalStore(str(tmp_path)), anchor_every=10)
-    publisher.publish(0, tiny_policy)
+    publisher = WeightPublisher(LocalStore(str(tmp_path)), tiny_policy, anchor_every=10)
+    publisher.publish(0)
     sub = _CountingSubscriber(publisher.subscriber(0))
     engine.version = 0
 
@@ -62,7 +64,7 @@ def test_overlapping_pulls_prepare_one_after_another(chat, tiny_policy, tmp_path
             with torch.no_grad():
                 for p in tiny_policy.parameters():
                     p.add_(torch.randn_like(p) * 1e-2)
-            publisher.publish(version, tiny_policy)
+            publisher.publish(version)
             await asyncio.gather(server.pull(sub), server.pull(sub), server.pull(sub))
             while engine.version < version:
                 server.check_serving()
@@ -124,7 +126,8 @@ def _driver(stall_s: float) -> RayRollouts:
     spec = WorkerSpec(
         model=None,  # type: ignore[arg-type]
         engine=EngineConfig(),
-        env=EnvSettings(episode_wall_s=0.2, grade_timeout_s=0.1),
+        env=EnvConfig(episode_wall_s=0.2, grade_timeout_s=0.1),
+        episode=EpisodeConfig(),
         tasks=TaskConfig(),
         task_seed=0,
         task_offset=0,

@@ -11,16 +11,21 @@ import torch
 
 from tandem.agent_env import generate_tasks
 from tandem.orchestrator.config import ConfigValueError, RLConfig, TaskConfig
-from tandem.orchestrator.episode import (
+from tandem.orchestrator.eval.passk import pass_at_k
+from tandem.orchestrator.midtrain.transcripts import (
+    condense,
+    fit_turns,
+    minimal_edit,
+    render_transcript,
+)
+from tandem.orchestrator.rollout.episode import (
     FORMAT_ERROR_TOOL,
     Sample,
     episode_generator,
     to_env_call,
     truncate_observation,
 )
-from tandem.orchestrator.evaluate import pass_at_k
-from tandem.orchestrator.trainer import collate
-from tandem.orchestrator.transcripts import condense, fit_turns, minimal_edit, render_transcript
+from tandem.orchestrator.training.collate import collate
 
 
 def test_generated_call_becomes_agent_env_call(chat) -> None:
@@ -157,7 +162,7 @@ def test_bad_task_family_names_the_field(kwargs: dict, field: str) -> None:
 
 
 def test_task_source_draws_from_the_configured_family() -> None:
-    from tandem.orchestrator.tasks import TaskSource
+    from tandem.orchestrator.rollout.tasks import TaskSource
 
     config = TaskConfig(functions=["gcd", "digit_sum"], modules=["numkit"])
     tasks = TaskSource(config, seed=4).take(0, 8)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from tandem.agent_env import generate_tasks
-from tandem.orchestrator.episode import Sample
-from tandem.orchestrator.evaluate import EvalResult, by_category, paired_difference, summarize
-from tandem.orchestrator.tasks import task_category
+from tandem.orchestrator.eval.passk import EvalResult, by_category, paired_difference, summarize
+from tandem.orchestrator.rollout.tasks import task_category
+from tandem.orchestrator.wire import Sample
 
 
 def _sample(resolved: bool) -> Sample:

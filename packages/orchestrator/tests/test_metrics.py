@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.orchestrator.metrics import MetricsLog, read_metrics
+from tandem.orchestrator.artifacts.metrics import MetricsLog, read_metrics
 
 
 def test_records_are_strict_json(tmp_path: Path) -> None:

@@ -3,18 +3,19 @@ whole (and as the engine's), and the same update up to summation order."""
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from tandem.moe_determinism import batch_invariant
 from tandem.orchestrator.config import TrainerConfig
-from tandem.orchestrator.episode import Sample
 from tandem.orchestrator.policy import clone_model
-from tandem.orchestrator.prefix_scoring import SharedLayout, score_shared
-from tandem.orchestrator.trainer import RLTrainer, collate, score
+from tandem.orchestrator.training.collate import collate
+from tandem.orchestrator.training.prefix_scoring import SharedLayout, score_shared
+from tandem.orchestrator.training.scoring import score
+from tandem.orchestrator.training.trainer import RLTrainer
+from tandem.orchestrator.wire import Sample
 
 
 def _common_prefix(group: list[Sample]) -> int:
@@ -102,7 +103,7 @@ def test_step_with_shared_prefixes_matches_step_without(
         model = clone_model(tiny_policy)
         config = TrainerConfig(lr=1e-2, routing_check_rows=0, share_prefixes=share)
         trainer = RLTrainer(model, config)
-        metrics = trainer.step(groups)
+        metrics = trainer.step(groups, 0)
         assert metrics["step_applied"] == 1.0
         assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_tokens"] > 0
         # the group of one has no signal: the trainer scores the group of four only
@@ -127,7 +128,7 @@ def test_rows_without_a_token_to_score_give_zeros(chat, tiny_policy, make_engine
     """One-token rows predict nothing: zeros, not an error from an empty pack."""
     groups, _ = _group_samples(chat, tiny_policy, make_engine, helpers)
     short = [
-        dataclasses.replace(
+        msgspec.structs.replace(
             s, tokens=s.tokens[:1], loss_mask=[0], logprobs=[0.0], routes=s.routes[:0]
         )
         for s in groups[0][:2]

@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from tandem.orchestrator.config import ConfigValueError, RayConfig
-from tandem.orchestrator.priority import set_nice
+from tandem.orchestrator.runtime.priority import set_nice
 
 CHILD = """
 import json, os, threading
-from tandem.orchestrator.priority import set_nice
+from tandem.orchestrator.runtime.priority import set_nice
 
 def nice_of_threads():
     return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.delta_sync import LocalStore, Subscriber
-from tandem.orchestrator.weights import rank_partition, weights_equal
+from tandem.orchestrator.training.weights import rank_partition, weights_equal
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
 

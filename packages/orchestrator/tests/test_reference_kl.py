@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from tandem.grpo import GRPOConfig
 from tandem.moe_determinism import MoETransformer, batch_invariant, compare_logprobs
-from tandem.orchestrator.config import LossConfig, TrainerConfig
+from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.policy import clone_model
-from tandem.orchestrator.trainer import RLTrainer, collate, score
+from tandem.orchestrator.training.collate import collate
+from tandem.orchestrator.training.scoring import score
+from tandem.orchestrator.training.trainer import RLTrainer
 
 
 def _config(kl_coef: float) -> TrainerConfig:
-    return TrainerConfig(lr=3e-3, routing_check_rows=0, loss=LossConfig(kl_coef=kl_coef))
+    # k2: as a loss term its gradient is the on-policy gradient of KL(policy || reference)
+    loss = GRPOConfig(kl_coef=kl_coef, kl_estimator="k2", clip_eps_high=0.28, max_tokens=512)
+    return TrainerConfig(lr=3e-3, routing_check_rows=0, loss=loss)
 
 
 def _logprobs(model: MoETransformer, groups) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,9 +29,9 @@ def _logprobs(model: MoETransformer, groups) -> tuple[torch.Tensor, torch.Tensor
 def test_reference_scores_as_the_engine_did_and_stays_put(tiny_policy, two_groups) -> None:
     start = {k: v.clone() for k, v in tiny_policy.state_dict().items()}
     trainer = RLTrainer(clone_model(tiny_policy), _config(0.1))
-    first = trainer.step(two_groups)
+    first = trainer.step(two_groups, 0)
     assert first["kl"] == 0.0  # the policy is the reference before its first update
-    second = trainer.step(two_groups)
+    second = trainer.step(two_groups, 1)
     assert second["kl"] > 0.0  # now it has moved away from it
     assert trainer.reference is not None
     for name, value in trainer.reference.state_dict().items():
@@ -46,8 +51,8 @@ def test_the_penalty_keeps_the_policy_nearer_the_reference(tiny_policy, two_grou
     kl = {}
     for coef in (0.0, 5.0):
         trainer = RLTrainer(clone_model(tiny_policy), _config(coef))
-        for _ in range(6):
-            trainer.step(two_groups)
+        for version in range(6):
+            trainer.step(two_groups, version)
         now, _ = _logprobs(trainer.model, two_groups)
         kl[coef] = compare_logprobs(now, start, mask).kl_k3
     assert kl[0.0] > 0
@@ -59,7 +64,7 @@ def test_given_reference_weights_are_the_reference(tiny_policy, two_groups) -> N
     reference: the reference is those weights, not the rank's."""
     start = {k: v.clone() for k, v in tiny_policy.state_dict().items()}
     moved = RLTrainer(clone_model(tiny_policy), _config(0.0))
-    moved.step(two_groups)
+    moved.step(two_groups, 0)
     rank = RLTrainer(clone_model(moved.model), _config(0.1), reference=start)
     assert rank.reference is not None
     for name, value in rank.reference.state_dict().items():

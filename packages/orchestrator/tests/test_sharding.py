@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.orchestrator.sharding import (
-    ShardViews,
-    dim0_shard,
+from tandem.orchestrator.shards import ShardViews, dim0_shard, shard_name
+from tandem.orchestrator.training.sharding import (
     local_shards,
     merge_optimizer_states,
     merge_shards,
-    shard_name,
 )
 
 

@@ -1,25 +1,27 @@
-"""The RL stage's episode settings reach agent-env: a generated task graded in the sandbox."""
+"""The run config's ``[env]`` is agent-env's own config: a generated task graded in the sandbox
+with the settings a TOML table gives."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import msgspec
 import pytest
 
-from tandem.agent_env import Env, ToolCall
-from tandem.orchestrator.config import EnvSettings, TaskConfig
-from tandem.orchestrator.tasks import TaskSource, env_config
+from tandem.agent_env import Env, EnvConfig, ToolCall
+from tandem.orchestrator.config import RunConfig, TaskConfig
+from tandem.orchestrator.rollout.tasks import TaskSource
 
 # a task whose hidden tests include pass-to-pass ones, which an unfixed workspace passes
 TASK = TaskSource(TaskConfig(kinds=["off_by_one"], functions=["digit_sum"]), seed=5)[0]
 
 
-def _grade_untouched(settings: EnvSettings) -> tuple[float, bool, dict[str, str]]:
+def _grade_untouched(settings: EnvConfig) -> tuple[float, bool, dict[str, str]]:
     """Submit a generated task without fixing it; (reward, resolved, per-test outcomes)."""
 
     async def go() -> tuple[float, bool, dict[str, str]]:
-        env = Env(TASK, env_config(settings))
+        env = Env(TASK, settings)
         await env.reset()
         try:
             res = await env.step(ToolCall("submit", json.dumps({})))
@@ -33,7 +35,8 @@ def _grade_untouched(settings: EnvSettings) -> tuple[float, bool, dict[str, str]
 
 @pytest.mark.parametrize("partial", [False, True])
 def test_partial_credit_setting_grades_the_fraction_of_hidden_tests(partial: bool) -> None:
-    reward, resolved, tests = _grade_untouched(EnvSettings(partial_credit=partial))
+    config = msgspec.convert({"env": {"partial_credit": partial}}, RunConfig)
+    reward, resolved, tests = _grade_untouched(config.env)
     assert not resolved  # the bug is still there: its fail-to-pass tests fail
     wanted = [*TASK.hidden_tests.fail_to_pass, *TASK.hidden_tests.pass_to_pass]
     passed = sum(tests.get(t) == "passed" for t in wanted)

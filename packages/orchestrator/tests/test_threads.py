@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from tandem.orchestrator.threads import torch_threads
+from tandem.orchestrator.runtime.threads import torch_threads
 
 
 def test_the_count_holds_inside_and_is_restored_after() -> None:

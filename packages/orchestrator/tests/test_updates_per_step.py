@@ -6,7 +6,7 @@ import pytest
 
 from tandem.orchestrator.config import ConfigValueError, TrainerConfig
 from tandem.orchestrator.policy import clone_model
-from tandem.orchestrator.trainer import RLTrainer
+from tandem.orchestrator.training.trainer import RLTrainer
 
 
 def _displacement(before, model) -> float:
@@ -23,8 +23,8 @@ def test_second_update_uses_the_first_pass_as_old_policy(tiny_policy, two_groups
         model = clone_model(tiny_policy)
         config = TrainerConfig(lr=1e-3, routing_check_rows=0, updates_per_step=updates)
         trainer = RLTrainer(model, config)
-        metrics = trainer.step(groups)
-        assert trainer.policy_version == 1  # one published version per step either way
+        metrics = trainer.step(groups, 0)
+        assert metrics["step_applied"] == 1.0  # one step (one published version) either way
         assert metrics["mismatch_max_abs"] == 0.0  # checked on the first pass only
         moved[updates] = _displacement(before, model)
         if updates == 2:

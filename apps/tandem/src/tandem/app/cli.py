@@ -16,7 +16,7 @@ from pathlib import Path
 import structlog
 
 from tandem.app import __version__, commands, workers
-from tandem.app.config import AppConfig, dump_config, load_config
+from tandem.app.config import dump_config, load_config
 from tandem.app.errors import ConfigError
 from tandem.app.logging import configure_logging
 from tandem.app.pipeline_config import PipelineConfig
@@ -27,8 +27,7 @@ class Command:
     """A subcommand: its help line, the config type it reads and the function that runs it."""
 
     help: str
-    config_type: type[AppConfig]
-    run: Callable[[AppConfig, argparse.Namespace], int]
+    run: Callable[[PipelineConfig, argparse.Namespace], int]
     default_config: str | None = None
 
 
@@ -41,7 +40,7 @@ def _config_path(name: str) -> str | None:
     return None
 
 
-def _check(config: AppConfig, args: argparse.Namespace) -> int:
+def _check(config: PipelineConfig, args: argparse.Namespace) -> int:
     """Validate a config and report it as loaded; exits non-zero on a bad config before this."""
     log = structlog.get_logger("tandem")
     log.info("config ok", source=args.config or "defaults", run=config.run.name)
@@ -51,31 +50,26 @@ def _check(config: AppConfig, args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Command] = {
     "config": Command(
-        help="validate a config file (with overrides) and print it fully resolved",
-        config_type=AppConfig,
+        help="validate a config file (with overrides) and print every setting, resolved",
         run=_check,
     ),
     "demo": Command(
         help="mid-train a tiny MoE on code, then asynchronous GRPO on coding tasks; "
         "prints held-out pass@1 before/after",
-        config_type=PipelineConfig,
-        run=commands.run_demo,  # type: ignore[arg-type]
+        run=commands.run_demo,
         default_config=_config_path("demo.toml"),
     ),
     "midtrain": Command(
         help="next-token training on standard-library code and oracle agent transcripts",
-        config_type=PipelineConfig,
-        run=commands.run_midtrain,  # type: ignore[arg-type]
+        run=commands.run_midtrain,
     ),
     "train": Command(
         help="RL (async or sync GRPO) from a saved policy (default: the run's midtrained/)",
-        config_type=PipelineConfig,
-        run=commands.run_train,  # type: ignore[arg-type]
+        run=commands.run_train,
     ),
     "eval": Command(
         help="pass@k of a saved policy on held-out generated tasks",
-        config_type=PipelineConfig,
-        run=commands.run_eval,  # type: ignore[arg-type]
+        run=commands.run_eval,
     ),
 }
 
@@ -127,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "address", None):
         args.overrides += ["rl.backend=ray", f"rl.ray.address={args.address}"]
     try:
-        config = load_config(cmd.config_type, args.config, args.overrides)
+        config = load_config(PipelineConfig, args.config, args.overrides)
     except ConfigError as e:
         print(f"tandem {args.command}: {e}", file=sys.stderr)
         return 2
@@ -135,8 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_config(config), end="")
         return 0
     configure_logging(config.logging.level, config.logging.format)
-    from tandem.orchestrator.allocator import reuse_freed_memory
-    from tandem.orchestrator.config import ConfigValueError
+    from tandem.orchestrator import ConfigValueError, reuse_freed_memory
 
     reuse_freed_memory()  # the trainer's large temporaries stay mapped between micro-batches
 

@@ -21,84 +21,32 @@ from tandem.app.pipeline_config import PipelineConfig
 log = structlog.get_logger("tandem")
 
 
-def _policy_dir(config: PipelineConfig) -> Path:
-    return Path(config.policy) if config.policy else config.run_dir / "midtrained"
-
-
 def _load(config: PipelineConfig) -> Any:
-    from tandem.orchestrator.policy import PolicyError, load_policy
+    from tandem.orchestrator import PolicyError, load_policy
 
     try:
-        return load_policy(_policy_dir(config))
+        return load_policy(config.policy_dir)
     except PolicyError as e:
         print(f"tandem: {e}", file=sys.stderr)
         return None
 
 
-def _held_out(model: Any, config: PipelineConfig) -> Any:
-    """pass@k of ``model`` on the config's held-out tasks (``eval`` section)."""
-    from tandem.orchestrator.pipeline import evaluate_policy
-
-    return evaluate_policy(
-        model,
-        tasks=config.tasks,
-        env=config.env,
-        engine=config.engine,
-        n_tasks=config.eval.tasks,
-        samples=config.eval.samples,
-        seed=config.run.seed,
-        ks=tuple(config.eval.ks),
-    )
-
-
-def _reinforce(model: Any, config: PipelineConfig, run_dir: Path, **kwargs: Any) -> Any:
-    """The RL stage of ``config`` on ``model`` (in place), logging into ``run_dir``."""
-    from tandem.orchestrator.pipeline import reinforce
-
-    return reinforce(
-        model,
-        tasks=config.tasks,
-        env=config.env,
-        engine=config.engine,
-        trainer=config.trainer,
-        rl=config.rl,
-        run_dir=run_dir,
-        seed=config.run.seed,
-        task_offset=config.midtrain.transcripts,
-        progress=sys.stderr.isatty(),
-        name=config.run.name,
-        **kwargs,
-    )
-
-
-def _midtrain(config: PipelineConfig, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    """Stage 1 of ``config``: (the mid-trained model, its figures), saved in the run dir."""
-    from tandem.orchestrator.pipeline import midtrain
-
-    return midtrain(
-        model_cfg=config.model,
-        mid=config.midtrain,
-        tasks=config.tasks,
-        env=config.env,
-        engine=config.engine,
-        run_dir=config.run_dir,
-        seed=config.run.seed,
-        **kwargs,
-    )
-
-
 def run_midtrain(config: PipelineConfig, args: argparse.Namespace) -> int:
+    from tandem.orchestrator import midtrain_policy
+
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    _, info = _midtrain(config)
+    _, info = midtrain_policy(config)
     print(f"mid-trained policy saved to {config.run_dir / 'midtrained'} ({info['steps']} steps)")
     return 0
 
 
 def run_eval(config: PipelineConfig, args: argparse.Namespace) -> int:
+    from tandem.orchestrator import evaluate_policy
+
     model = _load(config)
     if model is None:
         return 2
-    result = _held_out(model, config)
+    result = evaluate_policy(model, config)
     for k, v in sorted(result.pass_at.items()):
         print(f"pass@{k} = {v:.3f}  ({result.tasks} tasks of seed {config.tasks.eval_seed})")
     width = max((len(c) for c in result.by_category), default=0)
@@ -108,13 +56,13 @@ def run_eval(config: PipelineConfig, args: argparse.Namespace) -> int:
 
 
 def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
-    from tandem.orchestrator.policy import save_policy
+    from tandem.orchestrator import reinforce, save_policy
 
     model = _load(config)
     if model is None:
         return 2
     rl_dir = config.run_dir / "rl"
-    summary = _reinforce(model, config, rl_dir)
+    summary = reinforce(model, config, progress=sys.stderr.isatty())
     save_policy(model, config.run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
     _train_report(config, rl_dir, summary)
     print(
@@ -127,7 +75,7 @@ def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
 
 def _train_report(config: PipelineConfig, rl_dir: Path, summary: Any) -> None:
     """reward_curve.png and report.md next to the RL metrics."""
-    from tandem.orchestrator.report import fmt, plot_rewards, write_report
+    from tandem.orchestrator import fmt, plot_rewards, write_report
 
     image = plot_rewards(rl_dir / "metrics.jsonl", rl_dir / "reward_curve.png")
     last = summary.last_metrics
@@ -155,7 +103,7 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     import torch
 
     from tandem.app.demo_report import category_rows, demo_table, print_table, write_demo_report
-    from tandem.orchestrator.policy import save_policy
+    from tandem.orchestrator import evaluate_policy, midtrain_policy, reinforce, save_policy
 
     t_start = time.perf_counter()
     run_dir = config.run_dir
@@ -166,17 +114,19 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     demo = config.demo
     log.info("demo.start", run_dir=str(run_dir), budget_s=demo.time_budget_s)
 
-    model, mid_info = _midtrain(config, deadline=t_start + demo.midtrain_budget_s)
+    model, mid_info = midtrain_policy(config, deadline=t_start + demo.midtrain_budget_s)
     t_mid = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
-    before = _held_out(model, config)
+    before = evaluate_policy(model, config)
     t_eval = time.perf_counter() - t0
     remaining = demo.time_budget_s - (time.perf_counter() - t_start) - 1.15 * t_eval - 15.0
     log.info("demo.rl_budget", seconds=round(remaining, 1), eval_s=round(t_eval, 1))
-    summary = _reinforce(model, config, run_dir / "rl", max_wall_s=max(remaining, 30.0))
+    summary = reinforce(
+        model, config, progress=sys.stderr.isatty(), max_wall_s=max(remaining, 30.0)
+    )
     save_policy(model, run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
-    after = _held_out(model, config)
+    after = evaluate_policy(model, config)
     wall = time.perf_counter() - t_start
     rows = demo_table(
         config,

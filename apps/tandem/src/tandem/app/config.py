@@ -1,7 +1,8 @@
-"""Typed run configs: a msgspec Struct loaded from TOML, with dotted command-line overrides.
+"""Loading configs: a msgspec Struct from TOML, with dotted command-line overrides.
 
 Configs are plain data (no torch import), so a bad key or value fails at start with the
-offending key's name, long before any model is built.
+offending key's name, long before any model is built. `dump_config` prints every setting,
+the ones whose value is unset (None, which TOML cannot write) as comments.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import tomli_w
 
 from tandem.app.errors import ConfigError
 
@@ -32,21 +34,6 @@ class LoggingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.format not in {"auto", "console", "json"}:
             raise ValueError(f"format must be one of auto/console/json, not {self.format!r}")
-
-
-class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Top-level settings shared by every run: where outputs go and how it is seeded."""
-
-    name: str = "tandem"
-    seed: int = 0
-    output_dir: str = "runs"
-
-
-class AppConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The resolved configuration of one `tandem` invocation."""
-
-    run: RunConfig = msgspec.field(default_factory=RunConfig)
-    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -128,6 +115,22 @@ def load_config(
     return build_config(cls, data, source=str(path) if path is not None else "config")
 
 
+UNSET = "@@unset@@"
+
+
+def _mark_unset(value: Any) -> Any:
+    if value is None:
+        return UNSET
+    if isinstance(value, dict):
+        return {k: _mark_unset(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mark_unset(v) for v in value]
+    return value
+
+
 def dump_config(config: msgspec.Struct) -> str:
-    """Render a resolved config back to TOML (what `--dump-config` prints)."""
-    return msgspec.toml.encode(config).decode("utf-8")
+    """Render a resolved config back to TOML (what `--dump-config` prints); a setting that
+    is unset appears as ``# key = (unset)``, so every setting is shown and the output loads
+    back to the same config."""
+    text = tomli_w.dumps(_mark_unset(msgspec.to_builtins(config)))
+    return re.sub(rf'^(\s*)([^\s=]+) = "{UNSET}"$', r"\1# \2 = (unset)", text, flags=re.MULTILINE)

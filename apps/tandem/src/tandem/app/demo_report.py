@@ -23,8 +23,7 @@ def demo_table(
     stage_seconds: dict[str, float],
 ) -> list[tuple[str, str]]:
     """Rows (metric, value) aggregated over the whole RL run from its metrics file."""
-    from tandem.orchestrator.metrics import read_metrics
-    from tandem.orchestrator.report import fmt
+    from tandem.orchestrator import fmt, read_metrics
 
     records = read_metrics(config.run_dir / "rl" / "metrics.jsonl")
     p0, p1 = before.pass_at.get(1, 0.0), after.pass_at.get(1, 0.0)
@@ -121,7 +120,7 @@ CATEGORY_COLUMNS = ("category", "tasks", "mid-trained", "RL-trained", "change (p
 def category_rows(before: Any, after: Any) -> list[tuple[str, ...]]:
     """Held-out pass@1 per task category (function/bug kind), before and after RL: where the
     change came from, and whether RL traded one category for another."""
-    from tandem.orchestrator.report import fmt
+    from tandem.orchestrator import fmt
 
     rows = []
     for name in sorted(set(before.by_category) | set(after.by_category)):
@@ -165,7 +164,7 @@ def write_demo_report(
     config_toml: str,
     categories: list[tuple[str, ...]] | None = None,
 ) -> Path:
-    from tandem.orchestrator.report import markdown_table, plot_rewards, write_report
+    from tandem.orchestrator import markdown_table, plot_rewards, write_report
 
     run_dir = config.run_dir
     before = float(rows[1][1]) if rows[1][1] != "n/a" else None

@@ -32,10 +32,10 @@ def run_workers(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # a client ships no code
     import ray
 
-    from tandem.orchestrator.ray_backend import NAMESPACE, pool_name
+    from tandem.orchestrator import RAY_NAMESPACE, pool_name
 
     try:
-        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address=args.address, namespace=RAY_NAMESPACE, log_to_driver=False)
     except (ConnectionError, RuntimeError) as e:
         print(
             f"tandem workers: cannot reach a Ray cluster at {args.address!r}: {e}", file=sys.stderr
@@ -43,7 +43,7 @@ def run_workers(args: argparse.Namespace) -> int:
         return 2
     try:
         try:
-            control = ray.get_actor(pool_name(args.run), namespace=NAMESPACE)
+            control = ray.get_actor(pool_name(args.run), namespace=RAY_NAMESPACE)
         except ValueError:
             print(
                 f"tandem workers: no running RL run named {args.run!r} on the cluster at "

@@ -1,9 +1,102 @@
-"""The asynchronous RL pipeline.
+"""The asynchronous RL pipeline: the stages, the run config and the run.
 
-Rollout workers, a staleness-bounded buffer, the trainer loop, weight publication and
-pulling, checkpoint/resume and metrics, wiring the other tandem packages together.
+Where things are (each folder's ``__init__`` says more):
+
+- ``config.py``: the run config (`RunConfig`), nesting the libraries' own configs;
+- ``protocols.py``: what the RL loop drives (`Engine`, `Rollouts`, `Trainer`,
+  `WeightSink`, `Backend`) and ``wire.py``: what crosses between processes;
+- ``stages.py``: `midtrain_policy`, `evaluate_policy`, `reinforce`;
+- ``inference/``: tokenizer, chat format, tool-call prefix check, the embedded engine;
+- ``rollout/``: token-level episodes, groups, tasks and the curriculum;
+- ``training/``: the RL trainer, scoring with router replay, sharding, weight publishing;
+- ``rl/``: the loop, the staleness rule (``rl/staleness.py``), one module per schedule;
+- ``backends/``: ``local`` and ``ray``; ``midtrain/``, ``eval/``, ``artifacts/``,
+  ``runtime/``.
+
+The names below are imported on first use, so `RunConfig` loads without torch.
 """
 
+from __future__ import annotations
+
+from importlib import import_module
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.orchestrator.artifacts.metrics import read_metrics
+    from tandem.orchestrator.artifacts.report import (
+        fmt,
+        markdown_table,
+        plot_rewards,
+        write_report,
+    )
+    from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE
+    from tandem.orchestrator.backends.ray.rollouts import pool_name
+    from tandem.orchestrator.config import ConfigValueError, RunConfig, RunSettings
+    from tandem.orchestrator.eval.passk import EvalResult, paired_difference
+    from tandem.orchestrator.policy import PolicyError, build_model, load_policy, save_policy
+    from tandem.orchestrator.rl.hooks import RunHooks
+    from tandem.orchestrator.rl.loop import RLRun
+    from tandem.orchestrator.rl.summary import RunSummary
+    from tandem.orchestrator.runtime.allocator import reuse_freed_memory
+    from tandem.orchestrator.stages import evaluate_policy, midtrain_policy, reinforce
 
 __version__ = _version("tandem-orchestrator")
+
+_HOME = {
+    "ConfigValueError": "config",
+    "EvalResult": "eval.passk",
+    "PolicyError": "policy",
+    "RAY_NAMESPACE": "backends.ray.envs",
+    "RLRun": "rl.loop",
+    "RunConfig": "config",
+    "RunHooks": "rl.hooks",
+    "RunSettings": "config",
+    "RunSummary": "rl.summary",
+    "build_model": "policy",
+    "evaluate_policy": "stages",
+    "fmt": "artifacts.report",
+    "load_policy": "policy",
+    "markdown_table": "artifacts.report",
+    "midtrain_policy": "stages",
+    "paired_difference": "eval.passk",
+    "plot_rewards": "artifacts.report",
+    "pool_name": "backends.ray.rollouts",
+    "read_metrics": "artifacts.metrics",
+    "reinforce": "stages",
+    "reuse_freed_memory": "runtime.allocator",
+    "save_policy": "policy",
+    "write_report": "artifacts.report",
+}
+__all__ = [
+    "RAY_NAMESPACE",
+    "ConfigValueError",
+    "EvalResult",
+    "PolicyError",
+    "RLRun",
+    "RunConfig",
+    "RunHooks",
+    "RunSettings",
+    "RunSummary",
+    "__version__",
+    "build_model",
+    "evaluate_policy",
+    "fmt",
+    "load_policy",
+    "markdown_table",
+    "midtrain_policy",
+    "paired_difference",
+    "plot_rewards",
+    "pool_name",
+    "read_metrics",
+    "reinforce",
+    "reuse_freed_memory",
+    "save_policy",
+    "write_report",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOME[name]}"), name)

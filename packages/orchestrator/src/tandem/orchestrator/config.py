@@ -1,17 +1,26 @@
-"""Run configuration of the pipeline: plain msgspec Structs, free of torch.
+"""The run configuration: plain msgspec Structs, free of torch.
+
+One section per concept. Where a library already has the config of its concept, the run
+config nests it as it is: `MoEConfig` (``[model]``), `EnvConfig` with its `SandboxConfig`
+(``[env]``, ``[env.sandbox]``, ``[env.sandbox.limits]``) and `GRPOConfig`
+(``[trainer.loss]``). The sections here hold what is the orchestrator's own. A deliberate
+difference from a library default (the demo's small model, its short episodes) is a value in
+``configs/*.toml``, never a second struct.
 
 Every section rejects unknown fields and checks its values in ``__post_init__``, so a bad
-config fails at start with the offending key, long before a model is built. The app composes
-these sections into its command configs and loads them from TOML.
+config fails at start with the offending key, long before a model is built.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-from tandem.agent_env import SandboxError, check_task_family
+from tandem.agent_env import EnvConfig, SandboxError, check_task_family
+from tandem.grpo.config import GRPOConfig
+from tandem.moe_determinism.model.config import MoEConfig
 
 CATEGORY_KEYS = ("function", "bug_kind")
 """The metadata fields that name a generated task's category (its function and bug kind)."""
@@ -26,34 +35,19 @@ def _require(ok: bool, field: str, why: str) -> None:
         raise ConfigValueError(f"{field}: {why}")
 
 
-class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Shapes of the reference MoE (Qwen3-MoE field names); the vocabulary is the tokenizer's."""
+class RunSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where a run writes (``output_dir/name``) and the seed every stage draws from."""
 
-    hidden_size: int = 128
-    num_hidden_layers: int = 3
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    moe_intermediate_size: int = 192
-    num_experts: int = 4
-    num_experts_per_tok: int = 2
-    max_position_embeddings: int = 4096
-    kv_split_size: int = 64
-    init_seed: int = 0
+    name: str = "tandem"
+    seed: int = 0
+    output_dir: str = "runs"
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
-            _require(getattr(self, name) > 0, name, "must be > 0")
-        _require(
-            self.num_attention_heads % max(self.num_key_value_heads, 1) == 0,
-            "num_key_value_heads",
-            "must divide num_attention_heads",
-        )
-        _require(
-            0 < self.num_experts_per_tok <= self.num_experts,
-            "num_experts_per_tok",
-            "must be in [1, num_experts]",
-        )
+        _require(bool(self.name) and "/" not in self.name, "name", "must be a plain name")
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.output_dir) / self.name
 
 
 class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -86,23 +80,17 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigValueError(str(e)) from None
 
 
-class EnvSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Episode settings passed to agent-env, plus how observations are shown to the policy.
+class EpisodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How episodes are rendered to the policy's tokens (rollouts, evaluations and the
+    mid-training transcripts alike).
 
-    ``partial_credit``: the reward is the fraction of hidden tests that pass instead of 1
-    only when all do (pass@k still counts only resolved tasks).
+    ``max_observation_chars``: a tool observation longer than this keeps its head and tail
+    and says how much was cut (a small model's context cannot hold a whole file).
     """
 
-    max_turns: int = 6
-    system_prompt: str = "Fix the bug with the tools, run the tests, then submit."
     max_observation_chars: int = 600
-    allow_unsandboxed: bool = False
-    grade_timeout_s: float = 60.0
-    episode_wall_s: float = 300.0
-    partial_credit: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.max_turns >= 1, "max_turns", "must be >= 1")
         _require(self.max_observation_chars >= 64, "max_observation_chars", "must be >= 64")
 
 
@@ -135,44 +123,6 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
 
 
-class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The GRPO settings the RL stage exposes (mapped onto `tandem.grpo.GRPOConfig`).
-
-    ``kl_coef`` > 0 adds a KL penalty to the frozen policy the RL run started from (the
-    trainer keeps a copy). ``kl_estimator``: as a loss term, k2's gradient is the on-policy
-    gradient of KL(policy || reference), which pulls the policy back; k1's only lowers the
-    log-probs of the sampled tokens, and k3's is k2's to first order.
-    """
-
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
-    is_mode: Literal["none", "token_tis", "token_mis", "sequence_mis", "geometric_mis"] = (
-        "token_tis"
-    )
-    is_cap: float = 2.0
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"] = (
-        "constant"
-    )
-    max_tokens: int = 512
-    std_normalize: bool = False
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
-    micro_batch_size: int = 8
-    max_grad_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        # GRPOConfig's checks of these fields, here so that they fail when the config loads
-        # (this module stays free of torch, which tandem.grpo imports)
-        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
-            value = getattr(self, name)
-            _require(0 <= value < float("inf"), name, "must be a finite number >= 0")
-        _require(self.clip_eps_low < 1, "clip_eps_low", "must be < 1")
-        _require(0 < self.is_cap < float("inf"), "is_cap", "must be a finite number > 0")
-        _require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
-        _require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        _require(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
-
-
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Optimizer and replay of the RL trainer.
 
@@ -190,7 +140,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``updates_per_step``: optimizer updates on each step's batch (PPO epochs). The first is
     taken from the rollout policy; the others reuse the batch with the first pass's
     log-probs as the clipped ratio's old policy. The policy version still advances by one
-    per step (one published version), so staleness keeps its meaning.
+    per step (one published version), so staleness keeps its meaning. ``loss``: the GRPO
+    loss, advantages and importance correction (`tandem.grpo.GRPOConfig`); with
+    ``loss.kl_coef`` > 0 the trainer keeps a frozen copy of the policy the run started from
+    as the KL reference.
     """
 
     lr: float = 3e-4
@@ -202,10 +155,15 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parallel: Literal["ddp", "fsdp"] = "fsdp"
     share_prefixes: bool = True
     updates_per_step: int = 1
-    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    loss: GRPOConfig = msgspec.field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", "must be > 0")
+        _require(
+            self.loss.entropy_coef == 0,
+            "loss.entropy_coef",
+            "must be 0: the RL trainer's scoring pass computes no entropy",
+        )
         _require(self.processes >= 1, "processes", "must be >= 1")
         _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
         _require(len(self.betas) == 2, "betas", "must be two numbers")
@@ -230,7 +188,7 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     inside each rollout actor. ``trainer_nice``: the nice value (0-19) of every trainer rank,
     for ranks that share cores with rollout engines: a higher value than the engines' (Ray
     starts workers at 15) lets the engines, which the trainer waits for, take the CPU first
-    (see `tandem.orchestrator.priority`); -1 keeps the value Ray gives.
+    (see `tandem.orchestrator.runtime.priority`); -1 keeps the value Ray gives.
     """
 
     address: str = ""
@@ -320,8 +278,6 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     anchor_every: int = 20
     weights_store: str = ""
     torch_threads: int = 0
-    eval_tasks: int = 32
-    eval_samples: int = 1
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     curriculum: CurriculumConfig = msgspec.field(default_factory=CurriculumConfig)
 
@@ -335,12 +291,6 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.max_ahead >= 0, "max_ahead", "must be >= 0 (0: max_staleness + 1)")
         _require(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0: torch's default)")
 
-    @property
-    def effective_max_ahead(self) -> int:
-        if self.mode != "async":
-            return 1
-        return self.max_ahead or self.max_staleness + 1
-
 
 class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Next-token training on standard-library code and oracle transcripts.
@@ -351,7 +301,8 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``transcript_loss``: ``all`` tokens of a transcript or only the ``assistant`` turns.
     ``skip_tools``: read-only calls left out of the transcripts (see `condense`).
     ``edit_min_chars``: the oracle's edits are narrowed to the shortest unique text around the
-    change that is at least this long (see `minimal_edit`).
+    change that is at least this long (see `minimal_edit`). ``init_seed``: the seed of the
+    fresh model's initial weights.
     """
 
     steps: int = 300
@@ -368,6 +319,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     edit_min_chars: int = 10
     code_bytes: int = 4_000_000
     log_every: int = 10
+    init_seed: int = 0
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", "must be >= 1")
@@ -375,3 +327,66 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(0 <= self.transcript_fraction <= 1, "transcript_fraction", "must be in [0, 1]")
         _require(self.lr > 0, "lr", "must be > 0")
         _require(self.edit_min_chars >= 1, "edit_min_chars", "must be >= 1")
+
+
+class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Held-out evaluation: ``tasks`` tasks of ``tasks.eval_seed``, ``samples`` each, pass@k
+    for each k in ``ks``."""
+
+    tasks: int = 32
+    samples: int = 1
+    ks: list[int] = msgspec.field(default_factory=lambda: [1])
+
+    def __post_init__(self) -> None:
+        _require(self.tasks >= 1, "tasks", "must be >= 1")
+        _require(self.samples >= 1, "samples", "must be >= 1")
+        _require(
+            bool(self.ks) and min(self.ks) >= 1 and max(self.ks) <= self.samples,
+            "ks",
+            f"must be in [1, samples={self.samples}]",
+        )
+
+
+BYTE_VOCAB_SIZE = 266
+"""The byte tokenizer's vocabulary (`ByteTokenizer.vocab_size`; a test keeps them equal)."""
+
+
+def byte_level_model() -> MoEConfig:
+    """The reference MoE's defaults, with the vocabulary of the byte tokenizer (256 bytes
+    and 10 special tokens) that the stages use."""
+    return MoEConfig(vocab_size=BYTE_VOCAB_SIZE)
+
+
+class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Everything the stages (mid-training, RL, evaluation) read; one TOML file describes a
+    whole run. ``policy``: the policy directory RL and evaluation start from (default: the
+    run's ``midtrained/``)."""
+
+    run: RunSettings = msgspec.field(default_factory=RunSettings)
+    model: MoEConfig = msgspec.field(default_factory=byte_level_model)
+    tasks: TaskConfig = msgspec.field(default_factory=TaskConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    episode: EpisodeConfig = msgspec.field(default_factory=EpisodeConfig)
+    midtrain: MidtrainConfig = msgspec.field(default_factory=MidtrainConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    rl: RLConfig = msgspec.field(default_factory=RLConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    policy: str = ""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.trainer.processes <= self.rl.groups_per_step,
+            "trainer.processes",
+            f"{self.trainer.processes} ranks for rl.groups_per_step = "
+            f"{self.rl.groups_per_step}: every trainer rank trains on whole groups, so there "
+            "must be at least as many groups per step as ranks",
+        )
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.dir
+
+    @property
+    def policy_dir(self) -> Path:
+        return Path(self.policy) if self.policy else self.run_dir / "midtrained"

@@ -9,31 +9,24 @@ from pathlib import Path
 import torch
 
 from tandem.moe_determinism import MoEConfig, MoETransformer, load_hf, save_hf
-from tandem.orchestrator.config import ModelConfig
-from tandem.orchestrator.tokenizer import SPECIAL_TOKENS, ByteTokenizer
+from tandem.orchestrator.config import ConfigValueError
+from tandem.orchestrator.inference.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 
 class PolicyError(RuntimeError):
     """A policy directory is missing or was made for another tokenizer."""
 
 
-def build_model(config: ModelConfig, tokenizer: ByteTokenizer) -> MoETransformer:
-    """A freshly initialised reference MoE sized by ``config`` for ``tokenizer``."""
-    moe = MoEConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        moe_intermediate_size=config.moe_intermediate_size,
-        num_experts=config.num_experts,
-        num_experts_per_tok=config.num_experts_per_tok,
-        max_position_embeddings=config.max_position_embeddings,
-        kv_split_size=config.kv_split_size,
-    )
-    model = MoETransformer(moe)
-    model.reset_parameters(seed=config.init_seed)
+def build_model(config: MoEConfig, tokenizer: ByteTokenizer, *, seed: int = 0) -> MoETransformer:
+    """A freshly initialised reference MoE shaped by ``config`` (weights from ``seed``); its
+    vocabulary must be the tokenizer's."""
+    if config.vocab_size != tokenizer.vocab_size:
+        raise ConfigValueError(
+            f"model.vocab_size: {config.vocab_size}, but the tokenizer has "
+            f"{tokenizer.vocab_size} ids; set model.vocab_size = {tokenizer.vocab_size}"
+        )
+    model = MoETransformer(config)
+    model.reset_parameters(seed=seed)
     return model
 
 

@@ -1,13 +1,15 @@
-"""The stages as functions the app calls: mid-train, evaluate, RL.
+"""The stages: mid-train a fresh policy, evaluate a policy, improve it with RL.
 
-Each takes the config sections it needs and a run directory, and leaves its artefacts there
-(``midtrained/`` HF weights, ``midtrain_metrics.jsonl``, ``rl/`` metrics, checkpoints and
-weight streams).
+Each reads the `RunConfig` and leaves its artefacts in the run's directory
+(``run.output_dir/run.name``): ``midtrained/`` (HF weights) and ``midtrain_metrics.jsonl``;
+``rl/`` (metrics, checkpoints, weight streams). The app's commands call these; so can
+anyone with a config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,46 +19,43 @@ import msgspec
 import structlog
 
 from tandem.moe_determinism import MoETransformer, batch_invariant
-from tandem.orchestrator.chat_format import ChatFormat
-from tandem.orchestrator.config import (
-    ConfigValueError,
-    EngineConfig,
-    EnvSettings,
-    MidtrainConfig,
-    ModelConfig,
-    RLConfig,
-    TaskConfig,
-    TrainerConfig,
-)
-from tandem.orchestrator.corpus import code_windows
-from tandem.orchestrator.engine import InferenceEngine
-from tandem.orchestrator.evaluate import EvalResult, evaluate
-from tandem.orchestrator.metrics import MetricsLog
-from tandem.orchestrator.midtrain import Midtrainer, eval_loss
+from tandem.orchestrator.artifacts.metrics import MetricsLog
+from tandem.orchestrator.backends import build_backend
+from tandem.orchestrator.config import ConfigValueError, RunConfig
+from tandem.orchestrator.eval.evaluate import evaluate
+from tandem.orchestrator.eval.passk import EvalResult
+from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+from tandem.orchestrator.inference.embedded.server import EngineServer
+from tandem.orchestrator.midtrain.corpus import code_windows
+from tandem.orchestrator.midtrain.trainer import Midtrainer, eval_loss
+from tandem.orchestrator.midtrain.transcripts import oracle_transcripts
 from tandem.orchestrator.policy import build_model, clone_model, save_policy
-from tandem.orchestrator.rl import RLRun, RunHooks, RunSummary
-from tandem.orchestrator.server import EngineServer
-from tandem.orchestrator.tasks import TaskSource, env_config
-from tandem.orchestrator.transcripts import oracle_transcripts
+from tandem.orchestrator.rl.hooks import RunHooks
+from tandem.orchestrator.rl.loop import RLRun
+from tandem.orchestrator.rl.summary import RunSummary
+from tandem.orchestrator.rollout.curriculum import CuratedCursor
+from tandem.orchestrator.rollout.tasks import TaskSource
 
 log = structlog.get_logger()
 
 
-def midtrain(
+def midtrain_policy(
+    config: RunConfig,
     *,
-    model_cfg: ModelConfig,
-    mid: MidtrainConfig,
-    tasks: TaskConfig,
-    env: EnvSettings,
-    engine: EngineConfig,
-    run_dir: Path,
-    seed: int,
+    run_dir: Path | None = None,
     progress: Callable[[int, float], None] | None = None,
     deadline: float | None = None,
 ) -> tuple[MoETransformer, dict[str, Any]]:
-    """Mid-train a fresh model on stdlib code + oracle transcripts; save it as HF weights."""
+    """Mid-train a fresh model on code and oracle transcripts; save it as HF weights in
+    ``run_dir/midtrained`` (default: the run's directory). ``deadline``: a
+    `time.perf_counter` value after which no further step starts."""
+    run_dir = run_dir or config.run_dir
+    mid, env, seed = config.midtrain, config.env, config.run.seed
+    max_obs = config.episode.max_observation_chars
     chat = ChatFormat()
     tok = chat.tok
+    model = build_model(config.model, tok, seed=mid.init_seed)
     t0 = time.perf_counter()
     code = []
     if mid.transcript_fraction < 1:
@@ -64,27 +63,27 @@ def midtrain(
     held_code = list(
         code_windows(tok, window=mid.window, seed=seed, max_bytes=64 * mid.window, split="held_out")
     )[:16]
-    source = TaskSource(tasks, tasks.train_seed)
-    train_tasks = source.take(0, mid.transcripts)
+    train_tasks = TaskSource(config.tasks, config.tasks.train_seed).take(0, mid.transcripts)
     # The oracle needs its whole script (more calls than the policy's turn budget may allow).
-    oracle_env = msgspec.structs.replace(env_config(env), max_turns=max(env.max_turns, 12))
+    oracle_env = msgspec.structs.replace(env, max_turns=max(env.max_turns, 12))
     transcripts = oracle_transcripts(
         train_tasks,
         oracle_env,
         chat,
-        max_observation_chars=env.max_observation_chars,
+        max_observation_chars=max_obs,
         skip_tools=mid.skip_tools,
         edit_min_chars=mid.edit_min_chars,
         max_turns=env.max_turns,
         cache=run_dir / "cache" / "oracle_transcripts.json",
     )
     n_played = len(transcripts)
-    transcripts = [(ids, mask) for ids, mask in transcripts if len(ids) <= engine.max_len]
+    max_len = config.engine.max_len
+    transcripts = [(ids, mask) for ids, mask in transcripts if len(ids) <= max_len]
     if not transcripts and mid.transcript_fraction > 0:
         why = (
             f"none fits the policy's turn budget env.max_turns = {env.max_turns}"
             if n_played == 0
-            else f"{n_played} fit env.max_turns, none engine.max_len = {engine.max_len} tokens"
+            else f"{n_played} fit env.max_turns, none engine.max_len = {max_len} tokens"
         )
         raise ConfigValueError(
             f"midtrain.transcript_fraction: {mid.transcript_fraction} needs oracle transcripts, "
@@ -101,19 +100,16 @@ def midtrain(
         transcript_tokens=sum(len(i) for i, _ in transcripts),
         seconds=round(prep_s, 1),
     )
-    model = build_model(model_cfg, tok)
-    trainer = Midtrainer(
-        model, mid, code=code, transcripts=transcripts, pad_id=tok.special("<|pad|>"), seed=seed
-    )
+    pad = tok.special("<|pad|>")
+    trainer = Midtrainer(model, mid, code=code, transcripts=transcripts, pad_id=pad, seed=seed)
     with MetricsLog(run_dir / "midtrain_metrics.jsonl") as metrics:
         info = trainer.run(metrics, progress=progress, deadline=deadline)
-    pad = tok.special("<|pad|>")
     held = [(w.tolist(), [1] * len(w)) for w in held_code]
     info["held_out_code_loss"] = eval_loss(model, held, pad) if held else float("nan")
     info["data_seconds"] = prep_s
     info["transcripts"] = len(transcripts)
     info["params"] = sum(p.numel() for p in model.parameters())
-    save_policy(model, run_dir / "midtrained", stage="midtrain", **{"steps": info["steps"]})
+    save_policy(model, run_dir / "midtrained", stage="midtrain", steps=info["steps"])
     log.info(
         "midtrain.done", **{k: round(v, 4) if isinstance(v, float) else v for k, v in info.items()}
     )
@@ -122,34 +118,35 @@ def midtrain(
 
 def evaluate_policy(
     model: MoETransformer,
+    config: RunConfig,
     *,
-    tasks: TaskConfig,
-    env: EnvSettings,
-    engine: EngineConfig,
-    n_tasks: int,
-    samples: int,
-    seed: int,
-    ks: tuple[int, ...] = (1,),
+    n_tasks: int | None = None,
+    samples: int | None = None,
 ) -> EvalResult:
-    """pass@k of ``model`` on ``n_tasks`` held-out tasks (``tasks.eval_seed``)."""
+    """pass@k (``eval.ks``) of ``model`` on ``eval.tasks`` held-out tasks
+    (``tasks.eval_seed``), ``eval.samples`` each, played by the embedded engine."""
+    n_tasks = n_tasks or config.eval.tasks
+    samples = samples or config.eval.samples
+    engine_cfg = config.engine
     chat = ChatFormat()
-    held_out = TaskSource(tasks, tasks.eval_seed).take(0, n_tasks)
-    eng = InferenceEngine(clone_model(model), engine, stop_id=chat.end_id)
+    held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(0, n_tasks)
+    engine = InferenceEngine(clone_model(model), engine_cfg, stop_id=chat.end_id)
 
     async def go() -> EvalResult:
-        server = EngineServer(eng)
+        server = EngineServer(engine)
         serve = asyncio.create_task(server.serve())
         try:
             result, _ = await evaluate(
                 server,
                 chat,
                 held_out,
-                env_config(env),
+                config.env,
                 samples_per_task=samples,
-                max_new_tokens=engine.max_new_tokens,
-                max_observation_chars=env.max_observation_chars,
-                seed=seed,
-                ks=ks,
+                max_new_tokens=engine_cfg.max_new_tokens,
+                max_observation_chars=config.episode.max_observation_chars,
+                seed=config.run.seed,
+                ks=tuple(k for k in config.eval.ks if k <= samples),
+                stop_malformed=engine_cfg.stop_malformed,
             )
         finally:
             server.close()
@@ -157,7 +154,7 @@ def evaluate_policy(
         return result
 
     t0 = time.perf_counter()
-    with batch_invariant(engine.deterministic):
+    with batch_invariant(engine_cfg.deterministic):
         result = asyncio.run(go())
     log.info(
         "eval.done",
@@ -172,33 +169,32 @@ def evaluate_policy(
 
 def reinforce(
     model: MoETransformer,
+    config: RunConfig,
     *,
-    tasks: TaskConfig,
-    env: EnvSettings,
-    engine: EngineConfig,
-    trainer: TrainerConfig,
-    rl: RLConfig,
-    run_dir: Path,
-    seed: int,
-    task_offset: int = 0,
+    run_dir: Path | None = None,
+    task_offset: int | None = None,
     progress: bool = False,
     max_wall_s: float | None = None,
     hooks: RunHooks | None = None,
-    name: str | None = None,
 ) -> RunSummary:
-    """The RL stage on training tasks ``task_offset..`` of ``tasks.train_seed``."""
+    """The RL stage on ``model`` (trained in place) in ``run_dir`` (default: the run's
+    ``rl/``), on training tasks ``task_offset..`` of ``tasks.train_seed`` (default: those
+    after the ones mid-training's transcripts used). Resumes from the checkpoints there."""
+    run_dir = run_dir or config.run_dir / "rl"
+    if task_offset is None:
+        task_offset = config.midtrain.transcripts
+    tasks = TaskSource(config.tasks, config.tasks.train_seed, offset=task_offset)
+    hooks = hooks or RunHooks()
+    make_backend = functools.partial(
+        build_backend, policy=model, config=config, tasks=tasks, run_dir=Path(run_dir)
+    )
     run = RLRun(
-        model,
-        rl=rl,
-        trainer=trainer,
-        engine=engine,
-        env=env,
-        tasks=TaskSource(tasks, tasks.train_seed, offset=task_offset),
+        make_backend,
+        CuratedCursor(tasks, config.rl.curriculum, config.run.seed),
+        rl=config.rl,
         run_dir=run_dir,
-        seed=seed,
         hooks=hooks,
         progress=progress,
         max_wall_s=max_wall_s,
-        name=name,
     )
     return run.run()

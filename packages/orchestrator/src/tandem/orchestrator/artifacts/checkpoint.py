@@ -14,7 +14,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -88,8 +88,8 @@ class CheckpointManager:
         self,
         step: int,
         *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any] | None,
         policy_version: int,
         task_cursor: int,
         extra: dict[str, Any] | None = None,
@@ -100,9 +100,9 @@ class CheckpointManager:
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        torch.save(model.state_dict(), tmp / "model.pt")
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(model_state, tmp / "model.pt")
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(capture_rng(), tmp / "rng.pt")
         meta = CheckpointMeta(
             step=step, policy_version=policy_version, task_cursor=task_cursor, extra=extra or {}
@@ -154,15 +154,8 @@ class CheckpointManager:
             )
         return step
 
-    def load(
-        self,
-        step: int | None = None,
-        *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        restore_rngs: bool = True,
-    ) -> CheckpointMeta:
-        """Restore model, optimizer and RNGs in place from ``step`` (default: latest)."""
+    def load(self, step: int | None = None, *, restore_rngs: bool = True) -> Checkpoint:
+        """The checkpoint of ``step`` (default: latest), with the RNGs restored from it."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint under {self.root}")
@@ -170,19 +163,39 @@ class CheckpointManager:
         if not (path / "meta.json").is_file():
             raise CheckpointError(f"checkpoint {path} does not exist or is incomplete")
         meta = msgspec.json.decode((path / "meta.json").read_bytes(), type=CheckpointMeta)
-        try:
-            model.load_state_dict(
-                torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-            )
-        except RuntimeError as e:
-            raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from None
-        if optimizer is not None:
-            if not (path / "optimizer.pt").is_file():
-                raise CheckpointError(f"checkpoint {path} has no optimizer state")
-            optimizer.load_state_dict(
-                torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        optimizer_state = None
+        if (path / "optimizer.pt").is_file():
+            optimizer_state = torch.load(
+                path / "optimizer.pt", map_location="cpu", weights_only=True
             )
         if restore_rngs:
             restore_rng(torch.load(path / "rng.pt", weights_only=False))
         log.info("checkpoint loaded", step=step, policy_version=meta.policy_version)
-        return meta
+        return Checkpoint(path, meta, model_state, optimizer_state)
+
+
+class Checkpoint(NamedTuple):
+    """A loaded checkpoint: where it is, what it says, the weights and optimizer state."""
+
+    path: Path
+    meta: CheckpointMeta
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any] | None
+
+
+def load_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
+    """Restore ``model``'s weights from ``checkpoint`` (a clear error if they do not fit)."""
+    try:
+        model.load_state_dict(checkpoint.model_state)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} does not fit this model: {e}"
+        ) from None
+
+
+def optimizer_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The checkpoint's optimizer state (a clear error if it was saved without one)."""
+    if checkpoint.optimizer_state is None:
+        raise CheckpointError(f"checkpoint {checkpoint.path} has no optimizer state")
+    return checkpoint.optimizer_state

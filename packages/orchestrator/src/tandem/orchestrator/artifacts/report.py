@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tandem.orchestrator.metrics import read_metrics
+from tandem.orchestrator.artifacts.metrics import read_metrics
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:

@@ -1,4 +1,4 @@
-"""pass@k of a policy on a task set, played by the embedded engine in the real environment.
+"""Scores of a policy on a task set: pass@k, per category, and paired between two policies.
 
 pass@k uses the unbiased estimator of Chen et al. (2021): with n samples of a task of which
 c pass, pass@k = 1 - C(n - c, k) / C(n, k), averaged over tasks.
@@ -10,20 +10,12 @@ trades one category for another.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from math import comb
 
 import msgspec
-import structlog
 
-from tandem.agent_env import EnvConfig, Task
-from tandem.orchestrator.chat_format import ChatFormat
-from tandem.orchestrator.episode import Sample, episode_generator, run_episode
-from tandem.orchestrator.server import EngineServer
-from tandem.orchestrator.tasks import task_category
-
-log = structlog.get_logger()
+from tandem.orchestrator.wire import Sample
 
 
 class CategoryScore(msgspec.Struct, frozen=True):
@@ -141,45 +133,3 @@ def summarize(
         by_category={} if categories is None else by_category(per_task, categories),
         solved=[sum(s.resolved for s in t) for t in per_task],
     )
-
-
-async def evaluate(
-    server: EngineServer,
-    chat: ChatFormat,
-    tasks: Sequence[Task],
-    env_config: EnvConfig,
-    *,
-    samples_per_task: int,
-    max_new_tokens: int,
-    max_observation_chars: int,
-    seed: int,
-    ks: Sequence[int] = (1,),
-) -> tuple[EvalResult, list[list[Sample]]]:
-    """Play every task ``samples_per_task`` times (seeded) and score pass@k."""
-
-    total = len(tasks) * samples_per_task
-    done = 0
-
-    async def one(i: int, j: int) -> Sample:
-        nonlocal done
-        sample = await run_episode(
-            server,
-            chat,
-            tasks[i],
-            env_config,
-            max_new_tokens=max_new_tokens,
-            max_observation_chars=max_observation_chars,
-            generator=episode_generator(seed, 7_777_777, i, j),
-        )
-        done += 1
-        if done % max(1, total // 8) == 0 or done == total:
-            log.info("eval.progress", done=done, total=total)
-        return sample
-
-    flat = await asyncio.gather(
-        *(one(i, j) for i in range(len(tasks)) for j in range(samples_per_task))
-    )
-    per_task = [
-        list(flat[i * samples_per_task : (i + 1) * samples_per_task]) for i in range(len(tasks))
-    ]
-    return summarize(per_task, ks, [task_category(t) for t in tasks]), per_task

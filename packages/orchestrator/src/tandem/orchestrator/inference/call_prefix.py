@@ -18,7 +18,7 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from tandem.orchestrator.chat_format import ChatFormat
+from tandem.orchestrator.inference.chat_format import ChatFormat
 
 _WS = frozenset(b" \t\n\r")
 _NUMBER_CHARS = frozenset(b"0123456789+-.eE")

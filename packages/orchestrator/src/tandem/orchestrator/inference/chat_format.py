@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from tandem.orchestrator.tokenizer import ByteTokenizer
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 

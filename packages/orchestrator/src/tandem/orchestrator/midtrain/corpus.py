@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.orchestrator.tokenizer import ByteTokenizer
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 

@@ -13,7 +13,6 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.moe_determinism import MoETransformer
+from tandem.orchestrator.artifacts.metrics import MetricsLog
 from tandem.orchestrator.config import MidtrainConfig
-from tandem.orchestrator.metrics import MetricsLog
 
 log = structlog.get_logger()
 
@@ -158,7 +157,3 @@ def eval_loss(
         total += float(batch_loss(model, ids, lengths, mask)) * len(chunk)
         n += len(chunk)
     return total / max(n, 1)
-
-
-def midtrain_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "midtrained"

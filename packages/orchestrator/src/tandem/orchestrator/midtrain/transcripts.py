@@ -18,8 +18,8 @@ import msgspec
 import structlog
 
 from tandem.agent_env import EnvConfig, OraclePolicy, Task, ToolCall, Trajectory, run_episodes
-from tandem.orchestrator.chat_format import ChatFormat
-from tandem.orchestrator.episode import truncate_observation
+from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.rollout.episode import truncate_observation
 
 log = structlog.get_logger()
 

@@ -1,11 +1,23 @@
-"""The staleness-bounded buffer between rollout workers and the trainer.
+"""The staleness rule: which groups the trainer may learn from, and when rollouts may start.
 
-Rollout workers put complete groups (all samples of one prompt, as GRPO needs them) tagged
-with the oldest policy version that produced any of their tokens. The trainer takes groups
-for its current version; a group whose version is more than ``max_staleness`` behind is
-dropped and counted, never trained on. ``capacity`` bounds how far rollouts can run ahead
-of the trainer: producers wait when it is full, which is what keeps staleness bounded in
-steady state instead of merely filtered.
+A group counts as produced by the oldest policy version among its tokens (`group_version`):
+an episode may span several versions when engines update mid-rollout, and its oldest
+tokens are the furthest from the trainer. The rule, for a trainer at version ``v``:
+
+- a group of version ``g`` is trained on only while ``v - g <= max_staleness``; an older one
+  is dropped and counted, never trained on (`StalenessBuffer.take`);
+- a group starts only on an engine holding at least ``v - max_staleness`` (one started on
+  older weights could only be dropped), and no group starts while the engines lag further
+  behind than that (the weight store is failing);
+- at most ``max_ahead`` steps' worth of groups are in flight or waiting at once: rollouts
+  may run ahead of the trainer, but not so far that their groups go stale. Producers wait
+  while the buffer is full (``capacity``), which keeps staleness bounded in steady state
+  instead of merely filtered.
+
+The schedule fixes the bound: ``async`` uses ``rl.max_staleness`` (and ``rl.max_ahead``,
+default ``max_staleness + 1``, the bound that keeps drops rare); ``sync`` trains every group
+on the version that played it (0); ``pipelined`` plays step k+1 on version k while step k
+trains (exactly 1 once running).
 """
 
 from __future__ import annotations
@@ -14,22 +26,54 @@ import asyncio
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
 
-T = TypeVar("T")
+from tandem.orchestrator.config import RLConfig
+from tandem.orchestrator.wire import Group, Sample
+
+
+def group_version(samples: Sequence[Sample]) -> int:
+    """The version a group counts as: the oldest that produced any of its tokens."""
+    return min(s.min_version for s in samples)
 
 
 @dataclass(frozen=True)
-class Group(Generic[T]):
-    """The samples of one prompt and the oldest policy version among their tokens."""
+class StalenessRule:
+    """The bound of one run (see the module doc)."""
 
-    samples: Sequence[T]
-    policy_version: int
+    max_staleness: int
+    max_ahead: int
+    """Steps' worth of groups that may be in flight or waiting at once."""
+
+    @classmethod
+    def for_run(cls, rl: RLConfig) -> StalenessRule:
+        if rl.mode == "sync":
+            return cls(max_staleness=0, max_ahead=1)
+        if rl.mode == "pipelined":
+            return cls(max_staleness=1, max_ahead=1)
+        return cls(max_staleness=rl.max_staleness, max_ahead=rl.max_ahead or rl.max_staleness + 1)
+
+    def fresh(self, trainer_version: int, group: Group) -> bool:
+        """Whether the trainer at ``trainer_version`` may train on ``group``."""
+        return trainer_version - group.policy_version <= self.max_staleness
+
+    def min_engine_version(self, trainer_version: int) -> int:
+        """The oldest weights a new group may be played with."""
+        return trainer_version - self.max_staleness
+
+    def may_start(
+        self, in_flight: int, groups_per_step: int, engine_version: int, trainer_version: int
+    ) -> bool:
+        """Whether a rollout worker may start one more group now (``in_flight``: groups
+        started and not yet trained on or dropped)."""
+        return (
+            in_flight < self.max_ahead * groups_per_step
+            and engine_version >= self.min_engine_version(trainer_version)
+        )
 
 
 @dataclass
-class BufferStats:
-    """Counters the run reports: what was accepted, used and dropped, and at what staleness."""
+class StalenessStats:
+    """What the run reports: groups taken and dropped, and how stale the taken ones were."""
 
     put: int = 0
     taken: int = 0
@@ -41,26 +85,33 @@ class BufferStats:
         seen = self.taken + self.dropped_stale
         return self.dropped_stale / seen if seen else 0.0
 
+    def count_taken(self, trainer_version: int, groups: Sequence[Group]) -> None:
+        for g in groups:
+            lag = trainer_version - g.policy_version
+            self.staleness_histogram[lag] = self.staleness_histogram.get(lag, 0) + 1
+        self.taken += len(groups)
 
-class StalenessBuffer(Generic[T]):
-    """FIFO of groups with a staleness bound and a capacity (in groups)."""
 
-    def __init__(self, max_staleness: int, capacity: int) -> None:
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+class StalenessBuffer:
+    """FIFO of complete groups between rollout workers and the trainer, dropping the ones
+    the rule makes stale, with a capacity (in groups) that makes producers wait."""
+
+    def __init__(self, rule: StalenessRule, capacity: int, stats: StalenessStats) -> None:
+        if rule.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {rule.max_staleness}")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 group, got {capacity}")
-        self.max_staleness = max_staleness
+        self.rule = rule
         self.capacity = capacity
-        self.stats = BufferStats()
-        self._groups: deque[Group[T]] = deque()
+        self.stats = stats
+        self._groups: deque[Group] = deque()
         self._cond = asyncio.Condition()
         self._closed = False
 
     def __len__(self) -> int:
         return len(self._groups)
 
-    async def put(self, group: Group[T]) -> None:
+    async def put(self, group: Group) -> None:
         """Add a complete group, waiting while the buffer is full."""
         async with self._cond:
             await self._cond.wait_for(lambda: self._closed or len(self._groups) < self.capacity)
@@ -71,13 +122,11 @@ class StalenessBuffer(Generic[T]):
             self._cond.notify_all()
 
     def _drop_stale(self, trainer_version: int) -> None:
-        kept = deque(
-            g for g in self._groups if trainer_version - g.policy_version <= self.max_staleness
-        )
+        kept = deque(g for g in self._groups if self.rule.fresh(trainer_version, g))
         self.stats.dropped_stale += len(self._groups) - len(kept)
         self._groups = kept
 
-    async def take(self, n_groups: int, trainer_version: int) -> list[Group[T]]:
+    async def take(self, n_groups: int, trainer_version: int) -> list[Group]:
         """Wait for ``n_groups`` fresh-enough groups (oldest first) for ``trainer_version``."""
         if n_groups < 1:
             raise ValueError(f"n_groups must be >= 1, got {n_groups}")
@@ -91,10 +140,7 @@ class StalenessBuffer(Generic[T]):
             if len(self._groups) < n_groups:
                 raise RuntimeError("buffer closed before enough groups arrived")
             out = [self._groups.popleft() for _ in range(n_groups)]
-            for g in out:
-                age = trainer_version - g.policy_version
-                self.stats.staleness_histogram[age] = self.stats.staleness_histogram.get(age, 0) + 1
-            self.stats.taken += n_groups
+            self.stats.count_taken(trainer_version, out)
             self._cond.notify_all()
             return out
 

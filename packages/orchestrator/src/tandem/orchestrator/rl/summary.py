@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.orchestrator.buffer import BufferStats, Group
-from tandem.orchestrator.episode import Sample
-from tandem.orchestrator.rollouts import RolloutStats
+from tandem.orchestrator.rl.staleness import StalenessStats
+from tandem.orchestrator.wire import Group, RolloutStats
 
 
 @dataclass
@@ -43,16 +42,16 @@ class RunSummary:
 
 
 def step_metrics(
-    groups: list[Group[Sample]],
+    groups: list[Group],
     stats: dict[str, Any],
     report: Any,
     t_wait: float,
     rollouts: RolloutStats,
-    buffer: BufferStats,
+    staleness: StalenessStats,
     counts: dict[str, int],
 ) -> dict[str, Any]:
     """One step's metrics line: the trainer's ``stats``, the publish ``report`` (None when
-    nothing was published), the groups' rewards, the buffer's staleness, the engines' figures,
+    nothing was published), the groups' rewards, their staleness, the engines' figures,
     and the run's running ``counts`` (trajectories, groups filtered, requeued, ...)."""
     samples = [s for g in groups for s in g.samples]
     tokens = sum(len(s.tokens) for s in samples)
@@ -71,9 +70,11 @@ def step_metrics(
         "pass_rate": sum(s.resolved for s in samples) / len(samples),
         "format_errors": sum(s.format_errors for s in samples) / len(samples),
         "turns": sum(s.turns for s in samples) / len(samples),
-        "dropped_stale": buffer.dropped_stale,
-        "dropped_fraction": buffer.dropped_fraction,
-        "staleness_histogram": {str(k): v for k, v in sorted(buffer.staleness_histogram.items())},
+        "dropped_stale": staleness.dropped_stale,
+        "dropped_fraction": staleness.dropped_fraction,
+        "staleness_histogram": {
+            str(k): v for k, v in sorted(staleness.staleness_histogram.items())
+        },
         "trainer_tokens_per_s": tokens / max(stats["train_s"], 1e-9),
         "wait_s": t_wait,
         "rollout_tokens_sampled": rollouts.tokens_sampled,

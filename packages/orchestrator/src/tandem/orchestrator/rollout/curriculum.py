@@ -8,6 +8,7 @@ remembers, per category, whether its recent groups had a signal, and lets the cu
 over most tasks of a category whose last few groups had none, so the rollouts go to tasks
 that can teach. A saturated category is never shut out: a ``keep`` fraction of its tasks is
 still played, so one that becomes learnable as the policy changes is seen again.
+`CuratedCursor` is the run's cursor over a task source with the filter applied.
 
 Which tasks are kept depends only on the run's seed, the task's index and the groups seen
 so far (a hash, not a shared random stream), and the history is part of the checkpoint, so
@@ -22,7 +23,7 @@ from typing import Any
 
 from tandem.agent_env import Task
 from tandem.orchestrator.config import CurriculumConfig
-from tandem.orchestrator.tasks import task_category
+from tandem.orchestrator.rollout.tasks import TaskSource, task_category
 
 
 class SaturationFilter:
@@ -69,3 +70,38 @@ class SaturationFilter:
         """Restore a `state` from a checkpoint (an empty one for checkpoints made without)."""
         self.history = {str(k): [bool(x) for x in v] for k, v in state.get("history", {}).items()}
         self.skipped = int(state.get("skipped", 0))
+
+
+class CuratedCursor:
+    """The run's task cursor (`TaskCursor`): task ``cursor``, ``cursor + 1``, ... of a task
+    source, passing over the ones the curriculum leaves out (counted in ``skipped``)."""
+
+    def __init__(self, tasks: TaskSource, config: CurriculumConfig, seed: int) -> None:
+        self.tasks = tasks
+        self.filter = SaturationFilter(config, seed)
+        self.cursor = 0
+
+    @property
+    def skipped(self) -> int:
+        return self.filter.skipped
+
+    def task(self, index: int) -> Task:
+        return self.tasks[index]
+
+    def next_index(self) -> int:
+        while True:
+            index = self.cursor
+            self.cursor += 1
+            if self.filter.admits(index, self.tasks[index]):
+                return index
+
+    def record(self, index: int, rewards: Sequence[float]) -> None:
+        self.filter.record(self.tasks[index], rewards)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (JSON-able, a copy)."""
+        return {"cursor": self.cursor, "curriculum": self.filter.state()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.cursor = int(state.get("cursor", 0))
+        self.filter.load(state.get("curriculum", {}))

@@ -16,7 +16,6 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,42 +23,12 @@ import torch
 
 from tandem.agent_env import Env, EnvConfig, Task
 from tandem.agent_env import ToolCall as EnvToolCall
-from tandem.orchestrator.call_prefix import CallPrefix, tool_arguments
-from tandem.orchestrator.chat_format import ChatFormat, ToolCallFormatError
-from tandem.orchestrator.server import EngineServer
+from tandem.orchestrator.inference.call_prefix import CallPrefix, tool_arguments
+from tandem.orchestrator.inference.chat_format import ChatFormat, ToolCallFormatError
+from tandem.orchestrator.protocols import Engine
+from tandem.orchestrator.wire import Sample
 
 FORMAT_ERROR_TOOL = "invalid_tool_call"
-
-
-@dataclass
-class Sample:
-    """One scored trajectory as the trainer needs it.
-
-    ``routes`` [len(tokens) - 1, layers, top_k]: experts of every token but the last (the
-    last token is sampled, never fed, and predicts nothing). ``versions[i]`` is the policy
-    version that sampled token i (-1 for tokens the policy did not generate).
-    """
-
-    task_id: str
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    routes: np.ndarray
-    reward: float
-    resolved: bool
-    turns: int
-    termination: str
-    min_version: int
-    max_version: int
-    format_errors: int = 0
-    infra_fault: bool = False
-    wall_s: float = 0.0
-    messages: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(self.loss_mask)
 
 
 def truncate_observation(text: str, max_chars: int) -> str:
@@ -103,8 +72,8 @@ def to_env_call(chat: ChatFormat, turn: list[int]) -> tuple[EnvToolCall, str | N
     )
 
 
-async def run_episode(
-    server: EngineServer,
+async def run_token_episode(
+    engine: Engine,
     chat: ChatFormat,
     task: Task,
     env_config: EnvConfig,
@@ -112,24 +81,24 @@ async def run_episode(
     max_new_tokens: int,
     max_observation_chars: int,
     generator: torch.Generator,
+    stop_malformed: bool = True,
     open_env: Callable[[Task, EnvConfig], Any] = Env,
 ) -> Sample:
-    """Play ``task`` to the end with the engine's current policy and return the scored sample.
+    """Play ``task`` to the end with the engine's current policy, token in and token out,
+    and return the scored sample (agent-env's `run_episode` plays a policy of messages).
 
     ``open_env`` makes the episode's environment (an `Env` here, or one with its interface
     whose sandbox runs elsewhere).
 
-    With the engine's ``stop_malformed``, each turn ends at its first token that rules out a
-    well-formed call (`CallPrefix`); the turn then fails to parse as it would have at the
-    token budget.
+    With ``stop_malformed``, each turn ends at its first token that rules out a well-formed
+    call (`CallPrefix`); the turn then fails to parse as it would have at the token budget.
     """
     t0 = time.monotonic()
     env = open_env(task, env_config)
-    slot = await server.acquire()
-    engine = server.engine
+    slot = await engine.acquire()
     try:
         await env.reset()
-        tools = tool_arguments(env.tool_schemas()) if engine.config.stop_malformed else None
+        tools = tool_arguments(env.tool_schemas()) if stop_malformed else None
         prompt, _ = chat.render(env.messages, add_generation_prompt=True)
         tokens, mask = list(prompt), [0] * len(prompt)
         logprobs, versions = [0.0] * len(prompt), [-1] * len(prompt)
@@ -140,7 +109,7 @@ async def run_episode(
         termination = ""
         while True:
             check = CallPrefix(chat, tools).push if tools is not None else None
-            out = await server.generate(slot, feed, generator, max_new_tokens, check)
+            out = await engine.generate(slot, feed, generator, max_new_tokens, check)
             routes.append(out.routes)
             lo, hi = min(lo, out.min_version), max(hi, out.max_version)
             tokens += out.tokens
@@ -158,7 +127,7 @@ async def run_episode(
                 chat, env.messages[-1]["content"], max_observation_chars
             )
             closing = [] if out.tokens[-1] == chat.end_id else [chat.end_id]
-            if len(tokens) + len(closing) + len(observation) + 8 >= engine.config.max_len:
+            if len(tokens) + len(closing) + len(observation) + 8 >= engine.max_len:
                 termination = "context_limit"
                 break
             # The last sampled token has not been fed yet: it opens the next feed.
@@ -169,7 +138,7 @@ async def run_episode(
             versions += [-1] * (len(closing) + len(observation))
         traj = env.trajectory()
     finally:
-        server.release(slot)
+        engine.release(slot)
         await asyncio.shield(env.close())
     if termination:
         reward, resolved, infra = 0.0, False, False

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from tandem.agent_env import EnvConfig, Task, generate_tasks
-from tandem.orchestrator.config import CATEGORY_KEYS, EnvSettings, TaskConfig
+from tandem.agent_env import Task, generate_tasks
+from tandem.orchestrator.config import CATEGORY_KEYS, TaskConfig
 
 
 class TaskSource:
@@ -46,15 +46,3 @@ def task_category(task: Task, keys: Sequence[str] = CATEGORY_KEYS) -> str:
     """The values of the metadata fields ``keys``, joined by ``/`` (``?`` where a task has
     none): a category that scores and the curriculum break results down by."""
     return "/".join(task.metadata.get(k, "?") for k in keys)
-
-
-def env_config(settings: EnvSettings) -> EnvConfig:
-    """The agent-env episode config for these settings."""
-    return EnvConfig(
-        max_turns=settings.max_turns,
-        system_prompt=settings.system_prompt,
-        allow_unsandboxed=settings.allow_unsandboxed,
-        grade_timeout_s=settings.grade_timeout_s,
-        episode_wall_s=settings.episode_wall_s,
-        partial_credit=settings.partial_credit,
-    )

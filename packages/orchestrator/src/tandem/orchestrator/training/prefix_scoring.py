@@ -16,8 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from tandem.grpo import RolloutBatch
-from tandem.moe_determinism import MoETransformer, RouterReplay, RoutingTrace, token_logprobs
-from tandem.orchestrator.engine import sampling_logits
+from tandem.moe_determinism import (
+    MoETransformer,
+    RouterReplay,
+    RoutingTrace,
+    sampling_logits,
+    target_logprobs,
+)
 
 
 class SharedLayout:
@@ -132,6 +137,6 @@ def score_shared(
             own = model(layout.tokens, **kwargs)
         routing = RouterReplay(own.traces(), "R2")
     out = model(layout.tokens, routing=routing, **kwargs)
-    flat = token_logprobs(sampling_logits(out.logits, temperature), layout.targets)
+    flat = target_logprobs(sampling_logits(out.logits, temperature), layout.targets)
     lp = torch.cat([flat, flat.new_zeros(1)])[layout.index]
     return F.pad(lp, (1, 0))

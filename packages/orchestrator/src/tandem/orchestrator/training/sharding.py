@@ -7,30 +7,18 @@ shards through delta-sync, under `shard_name`s; an engine applies them into row 
 its whole tensors (`ShardViews`), so the subscriber reassembles the model without any
 process ever gathering it. Checkpoints take every rank's shards and concatenate them
 (`merge_shards`), which is also the layout the ``local`` backend saves, so a run can resume
-on either backend.
+on either backend. The shards' names and the views engines apply them into are in
+`tandem.orchestrator.shards`, which the inference side shares.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-_SHARD = re.compile(r"^(?P<name>.+)@shard(?P<rank>\d+)of(?P<world>\d+)$")
-
-
-def shard_name(name: str, rank: int, world: int) -> str:
-    """The published name of rank ``rank``'s dim-0 shard of tensor ``name``."""
-    return f"{name}@shard{rank}of{world}"
-
-
-def dim0_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rows of ``t`` that rank ``rank`` of ``world`` holds under `fully_shard` (a view;
-    empty when ``t`` has fewer chunks than ranks)."""
-    chunks = torch.chunk(t, world, dim=0)
-    return chunks[rank] if rank < len(chunks) else t[:0]
+from tandem.orchestrator.shards import dim0_shard, shard_name
 
 
 def is_sharded(t: Any) -> bool:
@@ -62,38 +50,6 @@ def local_shards(state: Mapping[str, torch.Tensor], rank: int, world: int) -> di
         elif rank == 0:
             out[name] = t.detach()
     return out
-
-
-class ShardViews(Mapping[str, torch.Tensor]):
-    """A state's tensors by name, plus their dim-0 shards by `shard_name` (row views that
-    write through), so one subscriber applies a sharded trainer's parts in place."""
-
-    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.state = state
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key in self.state:
-            return self.state[key]
-        match = _SHARD.match(key)
-        if match is None or match["name"] not in self.state:
-            raise KeyError(key)
-        rank, world = int(match["rank"]), int(match["world"])
-        if not 0 <= rank < world:
-            raise KeyError(key)
-        return dim0_shard(self.state[match["name"]], rank, world)
-
-    def __contains__(self, key: object) -> bool:
-        try:
-            self[key]  # type: ignore[index]
-        except KeyError:
-            return False
-        return True
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.state)
-
-    def __len__(self) -> int:
-        return len(self.state)
 
 
 def merge_shards(parts: Sequence[Mapping[str, Any]], sharded: set[str]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from tandem.delta_sync import (
     Subscriber,
     open_store,
 )
-from tandem.orchestrator.sharding import is_sharded, local_shards
+from tandem.orchestrator.training.sharding import is_sharded, local_shards
 
 log = structlog.get_logger()
 
@@ -66,7 +66,8 @@ def rank_partition(sizes: Mapping[str, int], world: int) -> list[list[str]]:
 
 
 class WeightPublisher:
-    """Publishes policy versions of the trainer's model and remembers the figures.
+    """Publishes policy versions of the trainer's model and remembers the figures (the
+    `WeightSink` of the local backend and of each Ray trainer rank).
 
     With ``world`` > 1 (a data-parallel trainer of that many processes), rank ``rank``
     publishes only its part of the version, and rank 0 commits it: its `rank_partition` of
@@ -80,10 +81,19 @@ class WeightPublisher:
     trainer has moved on. Engines keep serving the weights they have meanwhile.
     """
 
-    def __init__(self, store: Any, *, anchor_every: int, rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self,
+        store: Any,
+        model: torch.nn.Module,
+        *,
+        anchor_every: int,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in [0, {world})")
         self.store = store
+        self.model = model
         self.rank, self.world = rank, world
         group = None if world == 1 else [f"rank{i}" for i in range(world)]
         part = "main" if group is None else group[rank]
@@ -93,8 +103,10 @@ class WeightPublisher:
         self.pending: int | None = None  # a version whose publish failed, not yet retried
         self.failures = 0
 
-    def publish(self, version: int, model: torch.nn.Module) -> PublishReport:
-        state = state_for_sync(model)
+    def publish(self, version: int) -> PublishReport:
+        """Publish the model's weights now as ``version`` (raises `StoreError` if the store
+        fails)."""
+        state = state_for_sync(self.model)
         if self.world > 1 and any(is_sharded(v) for v in state.values()):
             state = local_shards(state, self.rank, self.world)  # FSDP: this rank's shards
         elif self.world > 1:
@@ -107,10 +119,10 @@ class WeightPublisher:
         self.pending = None
         return report
 
-    def try_publish(self, version: int, model: torch.nn.Module) -> PublishReport | None:
+    def try_publish(self, version: int) -> PublishReport | None:
         """`publish`, or None when the store fails (then `pending` is set)."""
         try:
-            return self.publish(version, model)
+            return self.publish(version)
         except StoreError as e:
             self.failures += 1
             self.pending = version

@@ -26,7 +26,7 @@ from tandem.agent_env.trajectory import StepRecord, StepResult, Trajectory
 
 log = structlog.get_logger()
 
-NAMESPACE = "tandem"
+RAY_NAMESPACE = "tandem"
 
 
 def env_pool_name(run_name: str, stream: int, index: int) -> str:
@@ -104,7 +104,7 @@ class EnvPools:
     def lookup(cls, names: list[str], owner: str) -> EnvPools:
         import ray
 
-        return cls([ray.get_actor(n, namespace=NAMESPACE) for n in names], owner)
+        return cls([ray.get_actor(n, namespace=RAY_NAMESPACE) for n in names], owner)
 
     def __call__(self, task: Task, config: EnvConfig) -> RemoteEnv:
         pick = min(range(len(self.handles)), key=lambda i: self.open[i])

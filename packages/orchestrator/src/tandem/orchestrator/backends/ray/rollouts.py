@@ -1,14 +1,13 @@
 """The ``ray`` backend: rollout engines as Ray actors, anywhere that can reach the store.
 
-Each `RolloutWorker` actor is one engine with its own weight subscriber (`LocalRollouts`):
-it builds the model's shape from the config, reaches the newest version with one catch-up
-pull (anchor plus at most one delta), then follows the store by itself: notified by the
-trainer after each publish and polling in case it misses one. Nothing but group indices and
-finished groups crosses between the driver and the actors; weights only flow through the
-store (or a region's relay, ``ray.pull_from``).
+Each `RolloutWorker` actor (`worker`) is one engine with its own weight subscriber. Nothing
+but group indices and finished groups crosses between the driver and the actors; weights
+only flow through the store (or a region's relay, ``ray.pull_from``).
 
-The driver (`RayRollouts`) keeps the buffer and the staleness logic (in `RLRun`). It hands
-each group to the least-loaded live actor; when an actor dies, its groups in flight fail
+Played groups come back as `tandem.orchestrator.wire` messages (msgpack bytes).
+
+The driver (`RayRollouts`, the backend's `Rollouts`) leaves the staleness rule to the RL
+loop. It hands each group to the least-loaded live actor; when an actor dies, its groups in flight fail
 with `WorkerLost` and are played again by another actor from the start, so no partial
 trajectory reaches the trainer, and a replacement actor is started. Workers may be added
 and removed (drained or killed) while the run goes on, directly or through the run's
@@ -19,170 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import hashlib
 import itertools
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
-import torch
 
-from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
-from tandem.orchestrator.chat_format import ChatFormat
-from tandem.orchestrator.config import EngineConfig, EnvSettings, RayConfig, TaskConfig
-from tandem.orchestrator.engine import InferenceEngine
-from tandem.orchestrator.ray_envs import NAMESPACE, EnvPool, EnvPools, env_pool_name
-from tandem.orchestrator.rollouts import LocalRollouts, PlayedGroup, RolloutStats, WorkerLost
-from tandem.orchestrator.server import EngineStopped
+from tandem.orchestrator.backends.ray.cluster import connect
+from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE, EnvPool, env_pool_name
+from tandem.orchestrator.backends.ray.worker import RolloutWorker, WorkerSpec
+from tandem.orchestrator.config import RayConfig
+from tandem.orchestrator.protocols import EngineStopped, WorkerLost
+from tandem.orchestrator.wire import PlayedGroup, RolloutStats, decode
 
 log = structlog.get_logger()
-
-
-@dataclass
-class WorkerSpec:
-    """Everything a rollout actor needs to build its engine and play groups."""
-
-    model: MoEConfig
-    engine: EngineConfig
-    env: EnvSettings
-    tasks: TaskConfig
-    task_seed: int
-    task_offset: int
-    seed: int
-    group_size: int
-    store_url: str
-    env_pools: list[str] = field(default_factory=list)  # actor names; empty: local sandboxes
-
-
-def connect(config: RayConfig) -> bool:
-    """Join ``config.address``, or start a cluster here; True when this call started Ray."""
-    if not config.address:
-        # A cluster started here runs its workers with this very interpreter: Ray's
-        # `uv run` hook (re-creating the environment per worker) would only slow them.
-        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False}
-    level = driver_log_level()
-    if level:
-        kwargs["runtime_env"] = {"worker_process_setup_hook": log_from(level)}
-    if config.address:
-        kwargs["address"] = config.address
-    elif config.num_cpus:
-        kwargs["num_cpus"] = config.num_cpus
-    ray.init(**kwargs)
-    return True
-
-
-def driver_log_level() -> int:
-    """The lowest level this process logs at (0 when its structlog does not filter)."""
-    bound = structlog.get_logger().bind()
-    return int(getattr(bound, "get_effective_level", lambda: 0)())
-
-
-def log_from(level: int) -> Callable[[], None]:
-    """A Ray worker setup hook that drops the events below ``level``: a worker's structlog
-    would otherwise print every info line of every actor to the driver's console."""
-
-    def setup_worker_logging() -> None:
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
-
-    return setup_worker_logging
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> str:
-    """blake2b of every tensor's bit pattern in name order (equal digests: equal bits)."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(state):
-        t = state[name].detach().contiguous().cpu()
-        h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-class RolloutWorker:
-    """The body of a rollout actor (`RayRollouts` wraps it with ``ray.remote``)."""
-
-    def __init__(self, spec: WorkerSpec, name: str, torch_threads: int, poll_s: float) -> None:
-        self.spec, self.name = spec, name
-        self.torch_threads, self.poll_s = torch_threads, poll_s
-        self.rollouts: LocalRollouts | None = None
-        self._scope = contextlib.ExitStack()
-
-    async def start(self, follow: bool = True, version: int | None = None) -> int:
-        """Build the engine and reach ``version`` (default: the newest) with one pull;
-        returns it. With ``follow`` the engine also pulls each newer version by itself
-        (otherwise only on `sync_to`)."""
-        from tandem.agent_env import Env
-        from tandem.delta_sync import Subscriber, open_store, warm_up
-        from tandem.orchestrator.allocator import reuse_freed_memory
-        from tandem.orchestrator.tasks import TaskSource
-
-        reuse_freed_memory()
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
-        spec = self.spec
-        self._scope.enter_context(batch_invariant(spec.engine.deterministic))
-        model = MoETransformer(spec.model)
-        engine = InferenceEngine(model, spec.engine, stop_id=ChatFormat().end_id, version=-1)
-        subscriber = Subscriber(open_store(spec.store_url))
-        prepared = await asyncio.to_thread(subscriber.prepare, version)
-        engine.stage_update(prepared)
-        engine.apply_pending()
-        # the delta kernels get ready while the first groups play, not in the first pause
-        widths = sorted({t.element_size() for t in engine.state.values()})
-        self._warm = asyncio.create_task(asyncio.to_thread(warm_up, widths))
-        self.rollouts = LocalRollouts(
-            engine,
-            subscriber,
-            TaskSource(spec.tasks, spec.task_seed, offset=spec.task_offset),
-            env=spec.env,
-            engine_cfg=spec.engine,
-            seed=spec.seed,
-            group_size=spec.group_size,
-            poll_s=self.poll_s,
-            open_env=EnvPools.lookup(spec.env_pools, self.name) if spec.env_pools else Env,
-        )
-        await self.rollouts.start(follow=follow)
-        log.info("ray.worker_ready", worker=self.name, version=engine.version)
-        return engine.version
-
-    def _live(self) -> LocalRollouts:
-        if self.rollouts is None:
-            raise RuntimeError(f"rollout worker {self.name} was not started")
-        return self.rollouts
-
-    async def play(self, index: int, min_version: int) -> PlayedGroup:
-        return await self._live().play(index, min_version)
-
-    def published(self) -> None:
-        self._live().published()
-
-    async def sync_to(self, version: int) -> int:
-        await self._live().sync_to(version)
-        return self._live().version
-
-    async def stats(self) -> RolloutStats:
-        return await self._live().stats()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def digest(self) -> tuple[int, str]:
-        """(version, digest of the engine's weights): lets a test check them bit for bit."""
-        engine = self._live().engine
-        return engine.version, state_digest(engine.state)
-
-    async def stop(self) -> None:
-        if self.rollouts is not None:
-            await self.rollouts.close()
-        self._scope.close()
 
 
 def pool_name(run_name: str) -> str:
@@ -246,7 +97,10 @@ class RayRollouts:
         self.control = (
             ray.remote(PoolControl)
             .options(
-                name=f"pool-{self.run_name}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0
+                name=f"pool-{self.run_name}",
+                namespace=RAY_NAMESPACE,
+                get_if_exists=True,
+                num_cpus=0,
             )
             .remote(self.config.workers)
         )
@@ -262,11 +116,11 @@ class RayRollouts:
         cls = ray.remote(EnvPool)
         names = [env_pool_name(self.run_name, self.stream, i) for i in range(self.config.env_pools)]
         self.env_pools = [
-            cls.options(name=n, namespace=NAMESPACE, num_cpus=self.config.env_cpus).remote(n)
+            cls.options(name=n, namespace=RAY_NAMESPACE, num_cpus=self.config.env_cpus).remote(n)
             for n in names
         ]
         await self.env_pool_stats()  # each answers once it is up
-        self.spec = dataclasses.replace(self.spec, env_pools=names)
+        self.spec = msgspec.structs.replace(self.spec, env_pools=names)
 
     async def env_pool_stats(self) -> list[dict[str, Any]]:
         """Per pool: its pid, episodes open now and episodes served so far."""
@@ -296,7 +150,7 @@ class RayRollouts:
             num_gpus=self.config.worker_gpus,
             max_concurrency=1024,
             name=f"{self.run_name}-{self.stream}-{name}",
-            namespace=NAMESPACE,
+            namespace=RAY_NAMESPACE,
         ).remote(self.spec, name, self.config.torch_threads, self.config.poll_s)
         self._spawning += 1
         try:
@@ -387,8 +241,9 @@ class RayRollouts:
         env = self.spec.env
         deadline = env.episode_wall_s + env.grade_timeout_s + self.config.stall_s
         try:
-            played: PlayedGroup = await asyncio.wait_for(
-                w.handle.play.remote(index, min_version), timeout=deadline
+            played = decode(
+                await asyncio.wait_for(w.handle.play.remote(index, min_version), timeout=deadline),
+                PlayedGroup,
             )
         except (RayActorError, EngineStopped, TimeoutError) as e:
             if isinstance(e, TimeoutError):

@@ -6,8 +6,8 @@ accelerate, gloo on CPU, NCCL where there are GPUs) or its dim-0 shard of every 
 `shard_by_group` share of every step's groups and publishes only its own part through
 delta-sync (a partition of the tensors, or its shards; rank 0 commits the version), so no
 process ever gathers or sends the whole model to publish. Checkpoints collect every rank's
-pieces on the driver. The driver talks to the ranks through `RayTrainer`, which stands in
-for `RLTrainer` and the weight publisher in `RLRun`.
+pieces on the driver. The driver talks to the ranks through `RayTrainer` (the backend's
+`Trainer`) and `RaySink` (its `WeightSink`); groups travel to them as wire messages.
 
 Every rank sees the same groups (small: token ids and routes), so a step depends only on
 them and the weights: with ``processes`` = 2 the update is the one a single process makes
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,20 +30,19 @@ import torch
 from tandem.delta_sync import PayloadReport, PublishReport
 from tandem.moe_determinism import MoEConfig, MoETransformer
 from tandem.orchestrator.config import RayConfig, TrainerConfig
-from tandem.orchestrator.episode import Sample
-from tandem.orchestrator.sharding import (
+from tandem.orchestrator.training.sharding import (
     local_optimizer_state,
     local_state,
     merge_optimizer_states,
     merge_shards,
     shard_optimizer_state,
 )
+from tandem.orchestrator.wire import Sample, decode, encode
 
 log = structlog.get_logger()
 
 
-@dataclass
-class TrainerSpec:
+class TrainerSpec(msgspec.Struct, kw_only=True):
     """What every rank needs to build its trainer and publisher."""
 
     model: MoEConfig
@@ -77,15 +77,14 @@ class TrainerRank:
         self,
         master: tuple[str, int],
         state: dict[str, torch.Tensor],
-        version: int,
         optimizer_state: dict[str, Any] | None,
         reference: dict[str, torch.Tensor] | None = None,
     ) -> None:
         from tandem.delta_sync import open_store
-        from tandem.orchestrator.allocator import reuse_freed_memory
-        from tandem.orchestrator.priority import set_nice
-        from tandem.orchestrator.trainer import RLTrainer
-        from tandem.orchestrator.weights import WeightPublisher
+        from tandem.orchestrator.runtime.allocator import reuse_freed_memory
+        from tandem.orchestrator.runtime.priority import set_nice
+        from tandem.orchestrator.training.trainer import RLTrainer
+        from tandem.orchestrator.training.weights import WeightPublisher
 
         spec = self.spec
         reuse_freed_memory()
@@ -109,7 +108,6 @@ class TrainerRank:
         self.trainer = RLTrainer(
             model,
             spec.trainer,
-            policy_version=version,
             deterministic=spec.deterministic,
             temperature=spec.temperature,
             rank=self.rank,
@@ -125,23 +123,24 @@ class TrainerRank:
             self.trainer.grpo.optimizer.load_state_dict(optimizer_state)
         self.publisher = WeightPublisher(
             open_store(spec.store_url),
+            self.trainer.model,
             anchor_every=spec.anchor_every,
             rank=self.rank,
             world=self.world,
         )
 
-    def step(self, groups: list[list[Sample]]) -> dict[str, Any]:
-        return self.trainer.step(groups)
+    def step(self, groups: bytes, version: int) -> dict[str, Any]:
+        return self.trainer.step(decode(groups, list[list[Sample]]), version)
 
-    def publish(self) -> PublishReport | None:
-        return self.publisher.try_publish(self.trainer.policy_version, self.trainer.model)
+    def publish(self, version: int) -> PublishReport | None:
+        return self.publisher.try_publish(version)
 
     def snapshot(self) -> RankSnapshot:
         """This rank's weights and optimizer state (its shards under FSDP, else whole) for a
         checkpoint or the final policy."""
         state, sharded = local_state(self.trainer.model.state_dict())
         optimizer, sharded_moments = local_optimizer_state(self.trainer.grpo.optimizer.state_dict())
-        return RankSnapshot(state, sharded, optimizer, sharded_moments, self.trainer.policy_version)
+        return RankSnapshot(state, sharded, optimizer, sharded_moments)
 
 
 @dataclass
@@ -153,19 +152,16 @@ class RankSnapshot:
     sharded: set[str]
     optimizer: dict[str, Any]
     sharded_moments: set[tuple[int, str]]
-    version: int
 
 
-def merge_snapshots(
-    parts: list[RankSnapshot],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
-    """(whole weights, whole optimizer state, policy version) from every rank's snapshot."""
+def merge_snapshots(parts: list[RankSnapshot]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(whole weights, whole optimizer state) from every rank's snapshot."""
     first = parts[0]
     if not first.sharded:  # DDP: every rank holds it all
-        return first.state, first.optimizer, first.version
+        return first.state, first.optimizer
     state = merge_shards([p.state for p in parts], first.sharded)
     optimizer = merge_optimizer_states([p.optimizer for p in parts], first.sharded_moments)
-    return state, optimizer, first.version
+    return state, optimizer
 
 
 def _gather(refs: list[Any]) -> list[Any]:
@@ -212,8 +208,7 @@ def merge_reports(reports: list[PublishReport]) -> PublishReport:
 
 
 class RayTrainer:
-    """The driver's handle on the trainer ranks: `RLTrainer`'s and `WeightPublisher`'s
-    interface for `RLRun` (step, policy version, publish with a pending retry)."""
+    """The driver's handle on the trainer ranks (`Trainer`)."""
 
     def __init__(
         self,
@@ -221,7 +216,6 @@ class RayTrainer:
         config: RayConfig,
         *,
         state: dict[str, torch.Tensor],
-        version: int,
         optimizer_state: dict[str, Any] | None,
         run_name: str,
         reference: dict[str, torch.Tensor] | None = None,
@@ -244,45 +238,18 @@ class RayTrainer:
         master = ray.get(self.ranks[0].master_address.remote())
         state_ref = ray.put(state)
         ref = ray.put(reference) if reference is not None else None
-        _gather(
-            [r.setup.remote(master, state_ref, version, optimizer_state, ref) for r in self.ranks]
-        )
-        self.policy_version = version
-        self.reports: list[PublishReport] = []
-        self.pending: int | None = None
-        self.failures = 0
-        log.info("ray.trainer_ready", processes=self.world, version=version)
+        _gather([r.setup.remote(master, state_ref, optimizer_state, ref) for r in self.ranks])
+        log.info("ray.trainer_ready", processes=self.world)
 
-    def step(self, groups: list[list[Sample]]) -> dict[str, Any]:
+    def step(self, groups: Sequence[Sequence[Sample]], version: int) -> dict[str, Any]:
+        message = encode([list(g) for g in groups])
+        results = _gather([r.step.remote(message, version) for r in self.ranks])
+        return results[0]
 
-        results = _gather([r.step.remote([list(g) for g in groups]) for r in self.ranks])
-        stats: dict[str, Any] = results[0]
-        if stats.get("step_applied"):
-            self.policy_version += 1
-        return stats
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.checkpoint_state()[0]
 
-    def try_publish(self, version: int, model: Any = None) -> PublishReport | None:
-        """Every rank publishes its part of the current version (rank 0 commits)."""
-
-        if version != self.policy_version:
-            raise ValueError(f"the ranks hold version {self.policy_version}, not {version}")
-        reports = _gather([r.publish.remote() for r in self.ranks])
-        if any(r is None for r in reports):
-            self.failures += 1
-            self.pending = version
-            return None
-        self.pending = None
-        merged = merge_reports(reports)
-        self.reports.append(merged)
-        return merged
-
-    def publish(self, version: int, model: Any = None) -> PublishReport:
-        report = self.try_publish(version)
-        if report is None:
-            raise RuntimeError(f"publishing version {version} failed: the weight store failed")
-        return report
-
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Whole weights and optimizer state: rank 0's under DDP, every rank's shards
         joined under FSDP."""
         ranks = self.ranks if self.sharded else self.ranks[:1]
@@ -293,3 +260,34 @@ class RayTrainer:
 
         for r in self.ranks:
             ray.kill(r, no_restart=True)
+
+
+class RaySink:
+    """The ranks' publishes as one `WeightSink`: every rank publishes its part of a version
+    (rank 0 commits), and the parts' reports are merged."""
+
+    def __init__(self, trainer: RayTrainer) -> None:
+        self.ranks = trainer.ranks
+        self.reports: list[PublishReport] = []
+        self.pending: int | None = None
+        self.failures = 0
+
+    def try_publish(self, version: int) -> PublishReport | None:
+        reports = _gather([r.publish.remote(version) for r in self.ranks])
+        if any(r is None for r in reports):
+            self.failures += 1
+            self.pending = version
+            return None
+        self.pending = None
+        merged = merge_reports(reports)
+        self.reports.append(merged)
+        return merged
+
+    def publish(self, version: int) -> PublishReport:
+        report = self.try_publish(version)
+        if report is None:
+            raise RuntimeError(f"publishing version {version} failed: the weight store failed")
+        return report
+
+    def close(self) -> None:
+        return None  # the ranks' publishers go with the ranks

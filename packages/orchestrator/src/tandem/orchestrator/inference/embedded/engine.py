@@ -9,7 +9,9 @@ the policy that sampled it, the policy version that produced it, and the experts
 token was routed to (the routing trace the trainer replays).
 
 Sampling is seeded per episode (a `torch.Generator` of its own, Gumbel-max over the
-vocabulary), so an episode's tokens do not depend on which other episodes share its batch.
+vocabulary), so an episode's tokens do not depend on which other episodes share its batch;
+its log-probs come from moe-determinism's `sampling_logits` and `target_logprobs`, the two
+functions the trainer scores with.
 Under ``deterministic`` the forward runs inside `batch_invariant()`, which is what makes
 the engine's log-probs the trainer's log-probs bit for bit.
 
@@ -38,41 +40,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.moe_determinism import MoETransformer, batch_invariant, token_logprobs
+from tandem.moe_determinism import (
+    MoETransformer,
+    batch_invariant,
+    sampling_logits,
+    target_logprobs,
+)
 from tandem.orchestrator.config import EngineConfig
-from tandem.orchestrator.prefix_cache import DEFER_MIN_TOKENS, PrefixIndex
-from tandem.orchestrator.sharding import ShardViews
-
-
-def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits of the distribution tokens are sampled from (divided by ``temperature``;
-    0, greedy, and 1 leave them as they are). The trainer scores with this same function, so
-    its log-probs equal the engine's bit for bit at any temperature."""
-    logits = logits.float()
-    return logits if temperature in (0.0, 1.0) else logits / temperature
+from tandem.orchestrator.inference.embedded.prefix_cache import DEFER_MIN_TOKENS, PrefixIndex
+from tandem.orchestrator.shards import ShardViews
+from tandem.orchestrator.wire import TurnOutput
 
 
 class EngineError(RuntimeError):
     """The engine was asked for something it cannot do (no free slot, context full, ...)."""
-
-
-@dataclass
-class TurnOutput:
-    """What one generation request produced.
-
-    ``routes`` [fed tokens, layers, top_k]: experts of each token fed in this request, in
-    order. ``versions[i]``: policy version whose logits sampled ``tokens[i]``.
-    ``min_version``/``max_version`` cover every forward that touched the sequence in this
-    request (prefill included). ``truncated``: stopped by the token budget, not by ``stop_id``.
-    """
-
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    routes: np.ndarray
-    min_version: int
-    max_version: int
-    truncated: bool
 
 
 @dataclass
@@ -353,7 +334,7 @@ class InferenceEngine:
             )
             gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
             tokens = (scaled + gumbel).argmax(-1)
-        lp = token_logprobs(scaled, tokens)
+        lp = target_logprobs(scaled, tokens)
         return tokens.tolist(), lp.tolist()
 
     def _finish(self, a: _Active, *, truncated: bool) -> TurnOutput:

@@ -17,17 +17,16 @@ from typing import Any
 import structlog
 import torch
 
-from tandem.orchestrator.engine import InferenceEngine, TurnOutput
+from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+from tandem.orchestrator.protocols import EngineStopped
+from tandem.orchestrator.wire import TurnOutput
 
 log = structlog.get_logger()
 
 
-class EngineStopped(RuntimeError):
-    """The serving loop has stopped (closed, or its engine failed): no turn will finish."""
-
-
 class EngineServer:
-    """Serves `generate` requests from any number of coroutines with one engine."""
+    """Serves `generate` requests from any number of coroutines with one engine: the
+    embedded engine's side of `tandem.orchestrator.protocols.Engine`."""
 
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
@@ -40,6 +39,10 @@ class EngineServer:
         self.busy_seconds = 0.0
         self.prepare_seconds: list[float] = []
         self.sync_bytes = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.engine.config.max_len
 
     async def acquire(self) -> int:
         await self._slots.acquire()

@@ -1,0 +1,86 @@
+"""The ``local`` backend: one engine and the trainer in this process.
+
+The engine decodes in a worker thread and the trainer steps in another, while sandboxed
+tool calls run on the event loop. The trainer trains the run's policy in place and publishes
+each version into the run's weight stream; the engine (a copy of the policy) pulls it and
+applies it between decoding steps. `batch_invariant()` is held for the whole run, so the
+engine's log-probs are the trainer's bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.moe_determinism import MoETransformer, batch_invariant
+from tandem.orchestrator.artifacts.checkpoint import load_weights, optimizer_state
+from tandem.orchestrator.config import RunConfig
+from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+from tandem.orchestrator.policy import clone_model
+from tandem.orchestrator.protocols import BackendStart
+from tandem.orchestrator.rollout.local import LocalRollouts
+from tandem.orchestrator.rollout.tasks import TaskSource
+from tandem.orchestrator.training.trainer import RLTrainer
+from tandem.orchestrator.training.weights import WeightPublisher, stream_store
+
+
+@dataclass
+class LocalBackend:
+    rollouts: LocalRollouts
+    trainer: RLTrainer
+    sink: WeightPublisher
+    scope: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    async def close(self) -> None:
+        try:
+            await self.rollouts.close()
+            self.sink.close()  # its encode and upload threads
+        finally:
+            self.scope.close()
+
+
+def build(
+    start: BackendStart,
+    *,
+    policy: MoETransformer,
+    config: RunConfig,
+    tasks: TaskSource,
+    run_dir: Path,
+) -> LocalBackend:
+    """The trainer on ``policy`` (restored from ``start`` when resuming; the KL reference
+    is the policy as given), the version ``start.version`` published, and one engine on it."""
+    scope = contextlib.ExitStack()
+    scope.enter_context(batch_invariant(config.engine.deterministic))
+    engine_cfg = config.engine
+    trainer = RLTrainer(
+        policy,
+        config.trainer,
+        deterministic=engine_cfg.deterministic,
+        temperature=engine_cfg.temperature,
+    )
+    if start.resume is not None:
+        load_weights(policy, start.resume)
+        trainer.optimizer.load_state_dict(optimizer_state(start.resume))
+    sink = WeightPublisher(
+        stream_store(config.rl.weights_store, run_dir, start.stream),
+        policy,
+        anchor_every=config.rl.anchor_every,
+    )
+    sink.publish(start.version)
+    engine = InferenceEngine(
+        clone_model(policy), engine_cfg, stop_id=ChatFormat().end_id, version=start.version
+    )
+    engine.on_apply = start.on_engine_update
+    rollouts = LocalRollouts(
+        engine,
+        sink.subscriber(start.version),
+        tasks,
+        env=config.env,
+        episode=config.episode,
+        engine_cfg=engine_cfg,
+        seed=config.run.seed,
+        group_size=config.rl.group_size,
+    )
+    return LocalBackend(rollouts, trainer, sink, scope)

@@ -1,0 +1,106 @@
+"""The ``ray`` backend: rollout actors and trainer ranks on a Ray cluster.
+
+`rollouts` holds the rollout actors (each one engine following the weight store by itself),
+the pool that grows and drains while training runs (`PoolControl`, ``tandem workers``) and
+the driver's view of them; `trainer` the data-parallel trainer ranks (FSDP or DDP) and their
+publishes; `envs` the environment-pool actors that run episodes' sandboxes apart from the
+engines; `cluster` joining or starting the cluster and checking the actors fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.moe_determinism import MoETransformer
+from tandem.orchestrator.artifacts.checkpoint import load_weights, optimizer_state
+from tandem.orchestrator.backends.ray.cluster import check_cluster_fits, connect
+from tandem.orchestrator.backends.ray.rollouts import RayRollouts
+from tandem.orchestrator.backends.ray.trainer import RaySink, RayTrainer, TrainerSpec
+from tandem.orchestrator.backends.ray.worker import WorkerSpec
+from tandem.orchestrator.config import ConfigValueError, RunConfig
+from tandem.orchestrator.protocols import BackendStart
+from tandem.orchestrator.rollout.tasks import TaskSource
+from tandem.orchestrator.training.weights import state_for_sync, stream_url
+
+
+@dataclass
+class RayBackend:
+    rollouts: RayRollouts
+    trainer: RayTrainer
+    sink: RaySink
+    policy: MoETransformer
+    own_cluster: bool
+
+    async def close(self) -> None:
+        import ray
+
+        try:
+            await self.rollouts.close()
+            state, _ = self.trainer.checkpoint_state()
+            self.policy.load_state_dict(state)  # the run's result lives in this process
+            self.trainer.close()
+        finally:
+            if self.own_cluster:
+                ray.shutdown()
+
+
+def build(
+    start: BackendStart,
+    *,
+    policy: MoETransformer,
+    config: RunConfig,
+    tasks: TaskSource,
+    run_dir: Path,
+) -> RayBackend:
+    """Trainer ranks starting from ``policy`` (or ``start``'s checkpoint), publishing the
+    run's stream from ``start.version``, and the rollout actors following it."""
+    if start.on_engine_update is not None:
+        raise ConfigValueError(
+            "rl.backend: engine-update hooks run in the engine's process, so they need the "
+            "local backend"
+        )
+    rl, engine = config.rl, config.engine
+    own = connect(rl.ray)
+    check_cluster_fits(rl, config.trainer.processes, started_here=own)
+    # the KL reference is the policy the run started from, before any checkpoint
+    reference = state_for_sync(policy) if config.trainer.loss.kl_coef > 0 else None
+    reference = None if reference is None else {k: v.clone() for k, v in reference.items()}
+    optimizer = None
+    if start.resume is not None:
+        load_weights(policy, start.resume)
+        optimizer = optimizer_state(start.resume)
+    spec = TrainerSpec(
+        model=policy.config,
+        trainer=config.trainer,
+        deterministic=engine.deterministic,
+        temperature=engine.temperature,
+        store_url=stream_url(rl.weights_store, run_dir, start.stream),
+        anchor_every=rl.anchor_every,
+        torch_threads=rl.ray.torch_threads,
+        nice=rl.ray.trainer_nice,
+    )
+    trainer = RayTrainer(
+        spec,
+        rl.ray,
+        state={k: v.clone() for k, v in state_for_sync(policy).items()},
+        optimizer_state=optimizer,
+        run_name=f"{config.run.name}-{start.stream}",
+        reference=reference,
+    )
+    sink = RaySink(trainer)
+    sink.publish(start.version)
+    worker = WorkerSpec(
+        model=policy.config,
+        engine=engine,
+        env=config.env,
+        episode=config.episode,
+        tasks=tasks.config,
+        task_seed=tasks.seed,
+        task_offset=tasks.offset,
+        seed=config.run.seed,
+        group_size=rl.group_size,
+        store_url=stream_url(rl.ray.pull_from or rl.weights_store, run_dir, start.stream),
+    )
+    rollouts = RayRollouts(worker, rl.ray, run_name=config.run.name, stream=start.stream)
+    return RayBackend(rollouts, trainer, sink, policy, own)

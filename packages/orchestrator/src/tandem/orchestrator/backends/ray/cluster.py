@@ -1,0 +1,99 @@
+"""Joining or starting the Ray cluster a run uses, and checking that its actors fit.
+
+A cluster started here runs its workers with this very interpreter and logs at the driver's
+level; a joined cluster is taken as it is. An actor whose resources the cluster lacks is
+never scheduled and the run would wait for it without a word, so the demands are summed
+and checked at start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE
+from tandem.orchestrator.config import ConfigValueError, RayConfig, RLConfig
+
+log = structlog.get_logger()
+
+
+def connect(config: RayConfig) -> bool:
+    """Join ``config.address``, or start a cluster here; True when this call started Ray."""
+    if not config.address:
+        # A cluster started here runs its workers with this very interpreter: Ray's
+        # `uv run` hook (re-creating the environment per worker) would only slow them.
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"namespace": RAY_NAMESPACE, "include_dashboard": False}
+    level = driver_log_level()
+    if level:
+        kwargs["runtime_env"] = {"worker_process_setup_hook": log_from(level)}
+    if config.address:
+        kwargs["address"] = config.address
+    elif config.num_cpus:
+        kwargs["num_cpus"] = config.num_cpus
+    ray.init(**kwargs)
+    return True
+
+
+def driver_log_level() -> int:
+    """The lowest level this process logs at (0 when its structlog does not filter)."""
+    bound = structlog.get_logger().bind()
+    return int(getattr(bound, "get_effective_level", lambda: 0)())
+
+
+def log_from(level: int) -> Callable[[], None]:
+    """A Ray worker setup hook that drops the events below ``level``: a worker's structlog
+    would otherwise print every info line of every actor to the driver's console."""
+
+    def setup_worker_logging() -> None:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+
+    return setup_worker_logging
+
+
+def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bool) -> list[str]:
+    """Whether the cluster has the CPUs and GPUs the run's actors declare at start; returns
+    the shortfalls found on a joined cluster (each also logged as a warning).
+
+    An actor whose resources the cluster lacks is never scheduled, and the run would wait for
+    it without a word. A cluster started here has only this machine, so a shortfall is a
+    config error (raised after shutting that cluster down); a joined cluster may still grow
+    (nodes joining, an autoscaler), so there it is a warning."""
+    import ray
+
+    r = rl.ray
+    demands = {
+        "CPU": {
+            "rl.ray.trainer_cpus x trainer.processes": r.trainer_cpus * trainer_processes,
+            "rl.ray.worker_cpus x rl.ray.workers": r.worker_cpus * r.workers,
+            "rl.ray.env_cpus x rl.ray.env_pools": r.env_cpus * r.env_pools,
+        },
+        "GPU": {
+            "rl.ray.trainer_gpus x trainer.processes": r.trainer_gpus * trainer_processes,
+            "rl.ray.worker_gpus x rl.ray.workers": r.worker_gpus * r.workers,
+        },
+    }
+    have = ray.cluster_resources()
+    short: list[str] = []
+    for kind, parts in demands.items():
+        need, available = sum(parts.values()), have.get(kind, 0.0)
+        if need <= available + 1e-9:
+            continue
+        detail = ", ".join(f"{k} = {v:g}" for k, v in parts.items() if v)
+        what = f"the actors declare {need:g} {kind}s ({detail}); the cluster has {available:g}"
+        if started_here:
+            ray.shutdown()
+            raise ConfigValueError(
+                f"{what}: lower those values, or set rl.ray.num_cpus (0: all of this "
+                "machine's CPUs), or join a larger cluster with rl.ray.address"
+            )
+        log.warning("ray.resources_short", detail=what, hint="actors wait until nodes join")
+        short.append(what)
+    return short

@@ -1,0 +1,134 @@
+"""A rollout actor: one engine that plays groups and follows the weight store by itself.
+
+`RolloutWorker` builds the model's shape from its `WorkerSpec`, reaches the newest version
+with one catch-up pull (anchor plus at most one delta), then follows the store: notified by
+the trainer after each publish and polling in case it misses one. It holds a
+`LocalRollouts`, the same inference side the ``local`` backend runs in-process; groups go
+back to the driver as wire messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+
+import msgspec
+import structlog
+import torch
+
+from tandem.agent_env import EnvConfig
+from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
+from tandem.orchestrator.backends.ray.envs import EnvPools
+from tandem.orchestrator.config import EngineConfig, EpisodeConfig, TaskConfig
+from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+from tandem.orchestrator.rollout.local import LocalRollouts
+from tandem.orchestrator.wire import RolloutStats, encode
+
+log = structlog.get_logger()
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """Everything a rollout actor needs to build its engine and play groups."""
+
+    model: MoEConfig
+    engine: EngineConfig
+    env: EnvConfig
+    episode: EpisodeConfig
+    tasks: TaskConfig
+    task_seed: int
+    task_offset: int
+    seed: int
+    group_size: int
+    store_url: str
+    env_pools: list[str] = []  # actor names; empty: local sandboxes
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """blake2b of every tensor's bit pattern in name order (equal digests: equal bits)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class RolloutWorker:
+    """The body of a rollout actor (`RayRollouts` wraps it with ``ray.remote``)."""
+
+    def __init__(self, spec: WorkerSpec, name: str, torch_threads: int, poll_s: float) -> None:
+        self.spec, self.name = spec, name
+        self.torch_threads, self.poll_s = torch_threads, poll_s
+        self.rollouts: LocalRollouts | None = None
+        self._scope = contextlib.ExitStack()
+
+    async def start(self, follow: bool = True, version: int | None = None) -> int:
+        """Build the engine and reach ``version`` (default: the newest) with one pull;
+        returns it. With ``follow`` the engine also pulls each newer version by itself
+        (otherwise only on `sync_to`)."""
+        from tandem.agent_env import Env
+        from tandem.delta_sync import Subscriber, open_store
+        from tandem.orchestrator.rollout.tasks import TaskSource
+        from tandem.orchestrator.runtime.allocator import reuse_freed_memory
+
+        reuse_freed_memory()
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        spec = self.spec
+        self._scope.enter_context(batch_invariant(spec.engine.deterministic))
+        model = MoETransformer(spec.model)
+        engine = InferenceEngine(model, spec.engine, stop_id=ChatFormat().end_id, version=-1)
+        subscriber = Subscriber(open_store(spec.store_url))
+        prepared = await asyncio.to_thread(subscriber.prepare, version)
+        engine.stage_update(prepared)
+        engine.apply_pending()
+        self.rollouts = LocalRollouts(
+            engine,
+            subscriber,
+            TaskSource(spec.tasks, spec.task_seed, offset=spec.task_offset),
+            env=spec.env,
+            episode=spec.episode,
+            engine_cfg=spec.engine,
+            seed=spec.seed,
+            group_size=spec.group_size,
+            poll_s=self.poll_s,
+            open_env=EnvPools.lookup(spec.env_pools, self.name) if spec.env_pools else Env,
+        )
+        await self.rollouts.start(follow=follow)
+        log.info("ray.worker_ready", worker=self.name, version=engine.version)
+        return engine.version
+
+    def _live(self) -> LocalRollouts:
+        if self.rollouts is None:
+            raise RuntimeError(f"rollout worker {self.name} was not started")
+        return self.rollouts
+
+    async def play(self, index: int, min_version: int) -> bytes:
+        """The group as a wire message (`PlayedGroup`)."""
+        return encode(await self._live().play(index, min_version))
+
+    def published(self) -> None:
+        self._live().published()
+
+    async def sync_to(self, version: int) -> int:
+        await self._live().sync_to(version)
+        return self._live().version
+
+    async def stats(self) -> RolloutStats:
+        return await self._live().stats()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def digest(self) -> tuple[int, str]:
+        """(version, digest of the engine's weights): lets a test check them bit for bit."""
+        engine = self._live().engine
+        return engine.version, state_digest(engine.state)
+
+    async def stop(self) -> None:
+        if self.rollouts is not None:
+            await self.rollouts.close()
+        self._scope.close()

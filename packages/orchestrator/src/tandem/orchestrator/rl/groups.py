@@ -1,0 +1,82 @@
+"""Groups for the trainer: played through the rollouts from the task cursor, then checked.
+
+Every schedule gets its groups here. A group whose episodes were cut or whose sandbox failed
+is dropped whole (nothing partial reaches the trainer); so is one an infrastructure fault
+touched, since its rewards say nothing about the policy. The reward hook, when set, replaces
+the environment's reward. The counters are the run's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from tandem.orchestrator.protocols import Rollouts, TaskCursor, WorkerLost
+from tandem.orchestrator.rl.hooks import RunHooks
+from tandem.orchestrator.rl.signal import SignalFilter
+from tandem.orchestrator.rl.staleness import group_version
+from tandem.orchestrator.wire import Group
+
+log = structlog.get_logger()
+
+
+class GroupSource:
+    """Plays groups and keeps the run's counts of them."""
+
+    def __init__(self, rollouts: Rollouts, cursor: TaskCursor, hooks: RunHooks) -> None:
+        self.rollouts = rollouts
+        self.cursor = cursor
+        self.hooks = hooks
+        self.signal = SignalFilter()
+        self.trajectories = 0
+        self.requeued = 0
+        self.episodes_cut = 0
+
+    async def play(self, index: int, min_version: int = -1) -> Group | None:
+        """Task ``index``'s group, or None when it had to be dropped; raises `WorkerLost`
+        when its worker is gone (the caller plays it again)."""
+        played = await self.rollouts.play(index, min_version)
+        task_id = self.cursor.task(index).id
+        if played.dropped:
+            self.episodes_cut += played.cut
+            log.warning("rl.group_dropped", reason=played.dropped, task=task_id)
+            return None
+        samples = played.samples
+        self.trajectories += len(samples)
+        if self.hooks.reward is not None:
+            for s in samples:
+                s.reward = float(self.hooks.reward(s))
+        if any(s.infra_fault for s in samples):
+            log.warning("rl.group_dropped", reason="infrastructure fault", task=task_id)
+            return None
+        group = Group(samples=list(samples), policy_version=group_version(samples))
+        if self.hooks.on_group is not None:
+            self.hooks.on_group(group)
+        return group
+
+    def lost(self, index: int, error: WorkerLost) -> None:
+        log.warning("rl.group_requeued", index=index, reason=str(error))
+        self.requeued += 1
+
+    async def play_to_the_end(self, index: int) -> Group | None:
+        """`play`, again at once while the worker is lost (same index, same weights, so the
+        same samples)."""
+        while True:
+            try:
+                return await self.play(index)
+            except WorkerLost as e:
+                self.lost(index, e)
+
+    async def play_step(self, groups_per_step: int) -> list[Group]:
+        """One step's informative groups, played from the task cursor on the engines'
+        current weights (sync and pipelined: a group's place in the run fixes its samples)."""
+        groups: list[Group] = []
+        while len(groups) < groups_per_step:
+            indices = [self.cursor.next_index() for _ in range(groups_per_step - len(groups))]
+            played = await asyncio.gather(*(self.play_to_the_end(i) for i in indices))
+            for index, group in zip(indices, played, strict=True):  # recorded in task order
+                if group is not None:
+                    self.cursor.record(index, [s.reward for s in group.samples])
+            groups += [g for g in played if g is not None and self.signal.informative(g)]
+        return groups

@@ -1,0 +1,47 @@
+"""Which groups carry a GRPO signal, and a warning when a long run of them does not.
+
+A group whose samples all got the same reward has zero advantage everywhere: the trainer
+skips it and waits for others (DAPO's dynamic sampling), so every step learns from
+``groups_per_step`` informative groups. A long run of such groups means the tasks are too
+hard (or too easy) for the policy; it is reported with what the rewards were.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from tandem.orchestrator.wire import Group
+
+log = structlog.get_logger()
+
+NO_SIGNAL_REPORT_EVERY = 32
+"""Equal-reward groups in a row between two `rl.no_signal` warnings."""
+
+
+class SignalFilter:
+    """Counts the groups without signal (``filtered``) and the current run of them."""
+
+    def __init__(self) -> None:
+        self.filtered = 0
+        self._run = [0, 0]  # equal-reward groups in a row: [all rewarded, all unrewarded]
+
+    def informative(self, group: Group) -> bool:
+        """Whether the group's rewards differ; if not it is counted (and maybe reported)."""
+        rewards = {s.reward for s in group.samples}
+        run = self._run
+        if len(rewards) > 1:
+            run[:] = [0, 0]
+            return True
+        self.filtered += 1
+        run[0 if rewards.pop() > 0 else 1] += 1
+        if sum(run) % NO_SIGNAL_REPORT_EVERY == 0:
+            log.warning(
+                "rl.no_signal",
+                groups_in_a_row=sum(run),
+                all_rewarded=run[0],
+                all_unrewarded=run[1],
+                hint="every sample of these groups got the same reward, so the trainer waits "
+                "for others: tasks too hard (or too easy) for this policy, or rl.group_size "
+                "too small",
+            )
+        return False

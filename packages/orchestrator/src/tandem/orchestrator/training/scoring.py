@@ -1,0 +1,101 @@
+"""Scoring trajectories with the policy under router replay: the trainer's log-probs.
+
+The trainer re-scores each trajectory inside `batch_invariant()` with the experts the
+engine recorded (R3), or with its own routes from a no-grad pass (R2), or routing freely,
+and takes the log-probs of the sampling distribution at the engine's temperature with the
+same functions the engine sampled with, so that on the trainer's own version they are the
+engine's bits. `ReplayScorer` is the GRPO forward hook that does it per micro-batch (each
+group's common prefix fed once with ``share_prefixes``, `prefix_scoring`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from tandem.grpo import ForwardOutput, RolloutBatch
+from tandem.moe_determinism import (
+    MoETransformer,
+    RouterReplay,
+    RoutingTrace,
+    sampling_logits,
+    target_logprobs,
+)
+from tandem.orchestrator.training.prefix_scoring import SharedLayout, score_shared
+
+
+def _traces(routes: torch.Tensor, lengths: torch.Tensor, num_experts: int) -> list[RoutingTrace]:
+    return [
+        RoutingTrace.from_ids(routes[i, : int(n)].numpy(), num_experts)
+        for i, n in enumerate(lengths.tolist())
+    ]
+
+
+def score(
+    model: MoETransformer,
+    batch: RolloutBatch,
+    replay: str,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Log-probs [B, T] of ``batch`` (position 0 is 0) and the routes [N, layers, k] used.
+
+    Only tokens 0..n-2 of a row are fed: the last token predicts nothing, and the engine
+    never fed it either (so it has no recorded route). Log-probs are those of the sampling
+    distribution at the engine's ``temperature`` (`sampling_logits`, as the engine samples).
+    """
+    ids = batch.input_ids
+    assert batch.attention_mask is not None
+    fed = (batch.attention_mask.sum(1) - 1).clamp_min(0)
+    inputs = ids[:, :-1] if ids.shape[1] > 1 else ids
+    n_exp = getattr(model, "module", model).config.num_experts  # DDP wraps the model
+    routing = None
+    if replay == "R3":
+        routing = RouterReplay(_traces(batch.extras["routes"], fed, n_exp), "R3")
+    elif replay == "R2":
+        with torch.no_grad():
+            own = model(inputs, fed)
+        routing = RouterReplay(own.traces(), "R2")
+    out = model(inputs, fed, routing=routing)
+    logits = sampling_logits(out.logits, temperature)
+    lp = target_logprobs(logits, ids[:, 1:]) if ids.shape[1] > 1 else logits[..., 0]
+    lp = F.pad(lp, (1, 0)) if ids.shape[1] > 1 else torch.zeros_like(ids, dtype=torch.float32)
+    return lp, out.route_ids, out.counts
+
+
+class ScoredPass(NamedTuple):
+    """What the forward hook computed for one micro-batch: its rows, their detached
+    log-probs, the tokens fed, and the prefix tokens sharing did not feed again."""
+
+    rows: torch.Tensor
+    logprobs: torch.Tensor
+    tokens_fed: int
+    tokens_shared: int
+
+
+class ReplayScorer:
+    """The GRPO forward hook: scores each micro-batch under the run's replay mode, and keeps
+    what it computed for the mismatch check and the metrics."""
+
+    def __init__(self, replay: str, temperature: float, share_prefixes: bool = True) -> None:
+        self.replay = replay
+        self.temperature = temperature
+        self.share_prefixes = share_prefixes
+        self.captured: list[ScoredPass] = []
+
+    def logprobs(
+        self, model: torch.nn.Module, micro: RolloutBatch
+    ) -> tuple[torch.Tensor, int, int]:
+        """Log-probs [B, T] of ``micro`` under ``model``, the tokens fed, the tokens shared."""
+        if self.share_prefixes:
+            layout = SharedLayout(micro, match_routes=self.replay == "R3")
+            lp = score_shared(model, micro, self.replay, self.temperature, layout)  # type: ignore[arg-type]
+            return lp, len(layout.tokens), layout.shared_tokens
+        lp, _, counts = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
+        return lp, sum(counts), 0
+
+    def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
+        lp, fed, shared = self.logprobs(model, micro)
+        self.captured.append(ScoredPass(micro.extras["row"], lp.detach(), fed, shared))
+        return ForwardOutput(lp)
