@@ -114,12 +114,17 @@ def main() -> int:
     from tandem.app.errors import ConfigError
     from tandem.app.logging import configure_logging
     from tandem.app.pipeline_config import PipelineConfig
-    from tandem.orchestrator.allocator import reuse_freed_memory
-    from tandem.orchestrator.evaluate import EvalResult
-    from tandem.orchestrator.pipeline import evaluate_policy, reinforce
-    from tandem.orchestrator.policy import build_model, clone_model, load_policy
-    from tandem.orchestrator.rl import RunHooks
-    from tandem.orchestrator.tokenizer import ByteTokenizer
+    from tandem.orchestrator import (
+        EvalResult,
+        RunHooks,
+        build_model,
+        evaluate_policy,
+        load_policy,
+        reinforce,
+        reuse_freed_memory,
+    )
+    from tandem.orchestrator.inference.tokenizer import ByteTokenizer
+    from tandem.orchestrator.policy import clone_model
 
     configure_logging("warning", "console")
     reuse_freed_memory()  # as the `tandem` command does (the split placement's actors too)
@@ -133,7 +138,7 @@ def main() -> int:
         if not args.synthetic_reward:
             print("a fresh policy never solves a task: add --synthetic-reward", file=sys.stderr)
             return 2
-        base = build_model(cfg.model, ByteTokenizer())
+        base = build_model(cfg.model, ByteTokenizer(), seed=cfg.midtrain.init_seed)
     else:
         if not Path(args.policy).is_dir():
             print(
@@ -166,16 +171,16 @@ def main() -> int:
             )
             model = clone_model(base)
             run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{mode}-"))
+            # the run named after its directory, so each run's Ray actors have names of
+            # their own
+            run_cfg = msgspec.structs.replace(
+                cfg, rl=rl, run=msgspec.structs.replace(cfg.run, name=run_dir.name)
+            )
             t0 = time.perf_counter()
             summary = reinforce(
                 model,
-                tasks=cfg.tasks,
-                env=cfg.env,
-                engine=cfg.engine,
-                trainer=cfg.trainer,
-                rl=rl,
+                run_cfg,
                 run_dir=run_dir,
-                seed=cfg.run.seed,
                 task_offset=cfg.midtrain.transcripts,
                 max_wall_s=args.seconds,
                 hooks=hooks,
@@ -183,12 +188,9 @@ def main() -> int:
             wall = time.perf_counter() - t0
             held = evaluate_policy(
                 model,
-                tasks=cfg.tasks,
-                env=cfg.env,
-                engine=cfg.engine,
+                cfg,
                 n_tasks=args.eval_tasks,
                 samples=args.eval_samples,
-                seed=cfg.run.seed,
             )
             shutil.rmtree(run_dir, ignore_errors=True)
             evals[mode].append(held)
@@ -285,7 +287,7 @@ def print_table(
 def print_paired(evals: dict[str, list[Any]]) -> None:
     """Each mode's held-out pass@1 minus sync's, task by task over the same held-out tasks
     (every round's result averaged per task), with a 95% interval over the tasks."""
-    from tandem.orchestrator.evaluate import paired_difference
+    from tandem.orchestrator import paired_difference
 
     if "sync" not in evals or len(evals["sync"][0].solved) < 2:
         return

@@ -23,10 +23,12 @@ import torch
 from tandem.app.config import load_config
 from tandem.app.pipeline_config import PipelineConfig
 from tandem.moe_determinism import MoETransformer, batch_invariant
-from tandem.orchestrator.chat_format import ChatFormat
-from tandem.orchestrator.episode import Sample
+from tandem.orchestrator.inference.chat_format import ChatFormat
 from tandem.orchestrator.policy import build_model, clone_model, load_policy
-from tandem.orchestrator.trainer import RLTrainer, collate, score
+from tandem.orchestrator.training.collate import collate
+from tandem.orchestrator.training.scoring import score
+from tandem.orchestrator.training.trainer import RLTrainer
+from tandem.orchestrator.wire import Sample
 
 
 def make_groups(
@@ -76,7 +78,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     cfg = load_config(PipelineConfig, args.config, [])
-    model = load_policy(args.policy) if args.policy else build_model(cfg.model, ChatFormat().tok)
+    model = (
+        load_policy(args.policy)
+        if args.policy
+        else build_model(cfg.model, ChatFormat().tok, seed=cfg.midtrain.init_seed)
+    )
     groups = make_groups(model, args, torch.Generator().manual_seed(0))
     times: dict[bool, list[float]] = {True: [], False: []}
     last: dict[bool, dict] = {}
@@ -88,7 +94,7 @@ def main() -> int:
             )
             trainer = RLTrainer(clone_model(model), trainer_cfg, temperature=1.0)
             t0 = time.perf_counter()
-            last[share] = trainer.step(groups)
+            last[share] = trainer.step(groups, version=0)  # a fresh trainer: version 0
             times[share].append(time.perf_counter() - t0)
     whole, part = statistics.median(times[False]), statistics.median(times[True])
     print(f"{args.groups} groups x {args.group_size}, one update per step")

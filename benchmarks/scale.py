@@ -42,14 +42,16 @@ def demo_config():
 
 
 async def measure(pool: int, groups: int, store_dir: Path, cfg, policy) -> dict[str, float]:
+    from tandem.orchestrator.backends.ray.rollouts import RayRollouts
+    from tandem.orchestrator.backends.ray.worker import WorkerSpec
     from tandem.orchestrator.config import RayConfig
-    from tandem.orchestrator.ray_backend import RayRollouts, WorkerSpec
 
     engine = msgspec.structs.replace(cfg.engine, stop_malformed=False)
     spec = WorkerSpec(
         model=policy.config,
         engine=engine,
         env=msgspec.structs.replace(cfg.env, allow_unsandboxed=True),
+        episode=cfg.episode,
         tasks=cfg.tasks,
         task_seed=cfg.tasks.train_seed,
         task_offset=0,
@@ -97,19 +99,21 @@ def main() -> None:
     import ray
     import structlog
 
-    from tandem.orchestrator.chat_format import ChatFormat
-    from tandem.orchestrator.policy import build_model
-    from tandem.orchestrator.weights import WeightPublisher
+    from tandem.orchestrator import build_model
+    from tandem.orchestrator.inference.chat_format import ChatFormat
+    from tandem.orchestrator.training.weights import WeightPublisher
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     cfg = demo_config()
-    policy = build_model(cfg.model, ChatFormat().tok)
+    policy = build_model(cfg.model, ChatFormat().tok, seed=cfg.midtrain.init_seed)
     with tempfile.TemporaryDirectory() as tmp:
         from tandem.delta_sync import LocalStore
 
         store_dir = Path(tmp) / "weights"
         store_dir.mkdir()
-        WeightPublisher(LocalStore(str(store_dir)), anchor_every=20).publish(0, policy)
+        publisher = WeightPublisher(LocalStore(str(store_dir)), policy, anchor_every=20)
+        publisher.publish(0)
+        publisher.close()
         ray.init(num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False)
         rows = []
         for pool in args.workers:

@@ -26,8 +26,8 @@ from tandem.app.config import load_config
 from tandem.app.pipeline_config import PipelineConfig
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.moe_determinism.model.cache import KVCache
-from tandem.orchestrator.policy import build_model
-from tandem.orchestrator.tokenizer import ByteTokenizer
+from tandem.orchestrator import build_model
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 
 
 def fill_cache(
@@ -77,7 +77,7 @@ def main() -> None:
 
     torch.set_num_threads(1)  # as an engine actor runs
     cfg = load_config(PipelineConfig, args.config)
-    model = build_model(cfg.model, ByteTokenizer()).eval()
+    model = build_model(cfg.model, ByteTokenizer(), seed=cfg.midtrain.init_seed).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad(), batch_invariant():
         cache, slots = fill_cache(model, args, gen)
