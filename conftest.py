@@ -9,7 +9,7 @@ import os
 import pytest
 
 # Ray workers of the clusters tests start run with this interpreter. Ray reads the switch
-# when it is first imported (test modules import it before `ray_backend.connect` could set
+# when it is first imported (test modules import it before `backends.ray.cluster.connect` could set
 # it), and with it on every worker process would start through `uv run`, which packages the
 # working tree and resolves the environment again for each one.
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import msgspec
 import torch
+from rl_helpers import TINY  # this directory: the tests' tiny MoE
 
 from tandem.agent_env import EnvConfig
 from tandem.grpo import GRPOConfig
-from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
+from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator import RunConfig, RunHooks, RunSettings, midtrain_policy, reinforce
 from tandem.orchestrator.config import (
     CurriculumConfig,
@@ -36,19 +37,6 @@ from tandem.orchestrator.config import (
 )
 from tandem.orchestrator.midtrain import corpus
 
-MODEL = MoEConfig(
-    vocab_size=266,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=4096,
-    kv_split_size=16,
-)
 TASKS = TaskConfig(
     kinds=["wrong_operator", "off_by_one", "swapped_arguments"],
     functions=["gcd", "digit_sum", "is_palindrome", "chunked"],
@@ -91,17 +79,7 @@ def digest(state: dict[str, torch.Tensor]) -> str:
 def probe() -> str:
     """This machine's numerics, from the reference model alone: AdamW steps of a small MoE
     with and without `batch_invariant()` (torch's own kernels, as mid-training uses them)."""
-    cfg = MoEConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        moe_intermediate_size=32,
-        num_experts=4,
-        kv_split_size=16,
-    )
+    cfg = msgspec.structs.replace(TINY, vocab_size=64, max_position_embeddings=32768)
     model = MoETransformer(cfg)
     model.reset_parameters(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -171,7 +149,7 @@ def main(out: Path) -> dict:
     result: dict = {"probe": probe()}
     config = RunConfig(
         run=RunSettings(name="mid", seed=7, output_dir=str(out)),
-        model=MODEL,
+        model=TINY,
         tasks=TASKS,
         env=ENV,
         episode=EpisodeConfig(max_observation_chars=600),

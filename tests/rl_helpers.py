@@ -131,21 +131,8 @@ def tiny_config(
 
 
 def tiny_run(
-    tmp_path: Path,
-    rl: RLConfig,
-    hooks: RunHooks,
-    *,
-    env: EnvConfig = ENV,
-    check_rows: int = 0,
-    processes: int = 1,
-    tasks: TaskSource | None = None,
+    tmp_path: Path, rl: RLConfig, hooks: RunHooks, *, tasks: TaskSource | None = None, **kw: Any
 ) -> TinyRun:
-    config = tiny_config(
-        tmp_path,
-        rl,
-        env=env,
-        check_rows=check_rows,
-        processes=processes,
-        tasks=tasks.config if tasks is not None else None,
-    )
+    """A `TinyRun` of `tiny_config` (``kw``: its keywords) on a fresh tiny policy."""
+    config = tiny_config(tmp_path, rl, tasks=tasks.config if tasks is not None else None, **kw)
     return TinyRun(build_model(TINY, ByteTokenizer()), config, tmp_path, hooks, tasks)

@@ -33,32 +33,35 @@ def test_version_matches_metadata(module: str) -> None:
     assert import_module(module).__version__ == meta["project"]["version"]
 
 
+def torch_loaded_after(code: str) -> bool:
+    """Whether a fresh interpreter has torch loaded after running ``code`` (which must pass)."""
+    script = f"import sys\n{code}\nprint(int('torch' in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip() == "1"
+
+
 @pytest.mark.parametrize("module", list(LIBRARIES))
 def test_import_has_no_global_side_effects(module: str) -> None:
     """No logging configuration, no environment change, no torch."""
     code = (
-        "import logging, os, sys; env = dict(os.environ); "
-        f"import {module}; "
-        "assert not logging.getLogger().handlers, 'root logger configured at import'; "
-        "assert dict(os.environ) == env, 'environment changed at import'; "
-        "print(int('torch' in sys.modules))"
+        "import logging, os; env = dict(os.environ)\n"
+        f"import {module}\n"
+        "assert not logging.getLogger().handlers, 'root logger configured at import'\n"
+        "assert dict(os.environ) == env, 'environment changed at import'"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "0", f"{module} must import without torch"
+    assert not torch_loaded_after(code), f"{module} must import without torch"
 
 
 def test_the_run_config_loads_without_torch() -> None:
     """The run config nests the libraries' own configs (MoEConfig, GRPOConfig, EnvConfig);
     loading the demo's and checking its values needs no torch."""
+    demo = str(ROOT / "configs" / "demo.toml")
     code = (
-        "import sys; from tandem.app.config import load_config; "
-        "from tandem.app.pipeline_config import PipelineConfig; "
-        f"c = load_config(PipelineConfig, {str(ROOT / 'configs' / 'demo.toml')!r}); "
-        "assert c.model.vocab_size == 266 and c.trainer.loss.clip_eps_high == 0.28; "
-        "assert c.env.sandbox.limits.pids > 0; "
-        "print(int('torch' in sys.modules))"
+        "from tandem.app.config import load_config\n"
+        "from tandem.app.pipeline_config import PipelineConfig\n"
+        f"c = load_config(PipelineConfig, {demo!r})\n"
+        "assert c.model.vocab_size == 266 and c.trainer.loss.clip_eps_high == 0.28\n"
+        "assert c.env.sandbox.limits.pids > 0"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "0", "loading the run config imported torch"
+    assert not torch_loaded_after(code), "loading the run config imported torch"
