@@ -3,9 +3,10 @@
 The RL loop (`tandem.orchestrator.rl`) drives a `Backend`: its `Rollouts` (engines playing
 GRPO groups and following the weight stream), its `Trainer` (one optimizer step per call)
 and its `WeightSink` (publishing each policy version). It picks tasks through a
-`TaskCursor` and gets each step's groups from a `Schedule`. An episode drives an `Engine`
-turn by turn. Each backend (``local``, ``ray``) and each engine implements these, and the
-loop imports nothing else of theirs: a new engine or backend is one new module.
+`TaskCursor` (its schedules, in `rl.schedule`, decide when groups play). An episode drives
+an `Engine` turn by turn. Each backend (``local``, ``ray``) and each engine implements
+these, and the loop imports nothing else of theirs: a new engine or backend is one new
+module.
 
 The policy version is the loop's: it passes the version to `Trainer.step` and
 `WeightSink.try_publish`, and counts an applied step; nothing else writes it.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tandem.agent_env import Task
-from tandem.orchestrator.wire import Group, PlayedGroup, RolloutStats, Sample, TurnOutput
+from tandem.orchestrator.wire import PlayedGroup, RolloutStats, Sample, TurnOutput
 
 if TYPE_CHECKING:
     import torch
@@ -181,28 +182,3 @@ class TaskCursor(Protocol):
     def state(self) -> dict[str, Any]: ...
 
     def load(self, state: dict[str, Any]) -> None: ...
-
-
-class Schedule(Protocol):
-    """How rollouts and training interleave (``async``, ``sync``, ``pipelined``): where each
-    step's groups come from and what happens after the step's publish."""
-
-    max_staleness: int
-
-    def start(self) -> list[asyncio.Task[Any]]:
-        """The schedule's own background tasks (rollout workers, publish retries)."""
-        ...
-
-    async def take(self, step: int) -> list[Group]:
-        """Step ``step``'s informative groups."""
-        ...
-
-    async def after_step(self, published: bool, failed: bool) -> None:
-        """The step's version was published (or its publish failed)."""
-        ...
-
-    def cursor_state(self) -> dict[str, Any]:
-        """The task cursor to checkpoint: a resumed run plays the groups not yet trained."""
-        ...
-
-    async def close(self) -> None: ...
