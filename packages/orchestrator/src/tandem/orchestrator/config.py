@@ -253,8 +253,9 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     play on version k (every engine on it, none swapping mid-group) while the trainer trains
     step k on groups of version k-1, so staleness is exactly 1 (0 in the first two steps)
     and the run depends only on its seeds, not on timing or the number of engines.
-    ``max_staleness``: a group produced by policy version v is
-    trained on only while trainer_version - v <= max_staleness. ``rollout_workers``: groups in
+    ``max_staleness``: a group produced by policy version v is trained on only while
+    trainer_version - v <= max_staleness (the rule: `tandem.orchestrator.rl.staleness`).
+    ``rollout_workers``: groups in
     flight at once. ``max_ahead``: how many trainer steps rollouts may start ahead
     (0: max_staleness + 1, the bound that keeps drops rare). ``backend``: where the engines
     run, ``local`` (one in this process) or ``ray`` (rollout actors, see `RayConfig`).
