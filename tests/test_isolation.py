@@ -1,7 +1,10 @@
 """Each package, built as a wheel and installed alone outside the workspace, must import.
 
 This catches a package that silently needs a sibling it does not declare, and checks that
-the torch-free packages really install and import without torch.
+the torch-free packages really install and import without torch. The wheels come from
+`uv build --all-packages`, as a user builds them, and each carries what a published
+distribution should: ``py.typed``, the license, its project URLs and classifiers. The app's
+wheel, installed in a fresh environment, runs the demo the checkout runs.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,7 +28,8 @@ PACKAGES = {
     "tandem-agent-env": ("tandem.agent_env", False),
     "tandem-orchestrator": ("tandem.orchestrator", True),
 }
-WHEELS = [*PACKAGES, "tandem"]
+APP = "tandem-rl"
+MODULES = {**{d: m for d, (m, _) in PACKAGES.items()}, APP: "tandem.app"}
 
 
 def _uv() -> str:
@@ -55,9 +60,54 @@ def constraints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheels")
-    for dist in WHEELS:
-        _run([_uv(), "build", "--package", dist, "--wheel", "--out-dir", str(out)], cwd=ROOT)
+    _run([_uv(), "build", "--all-packages", "--out-dir", str(out)], cwd=ROOT)
     return out
+
+
+def _wheel(wheelhouse: Path, dist: str) -> Path:
+    wheels = sorted(wheelhouse.glob(f"{dist.replace('-', '_')}-*.whl"))
+    assert len(wheels) == 1, f"expected one wheel for {dist}, found {wheels}"
+    return wheels[0]
+
+
+def _fresh_venv(tmp_path: Path, wheelhouse: Path, constraints: Path, wheel: Path) -> Path:
+    """A new virtual environment with ``wheel`` installed; siblings come only from the
+    wheelhouse, so a dependency missing from the metadata shows up as an error."""
+    venv = tmp_path / "venv"
+    _run([_uv(), "venv", "--python", sys.executable, str(venv)], cwd=tmp_path)
+    py = venv / "bin" / "python"
+    install = [_uv(), "pip", "install", "--python", str(py), "--find-links", str(wheelhouse)]
+    _run([*install, "--constraint", str(constraints), str(wheel)], cwd=tmp_path)
+    return venv
+
+
+@pytest.mark.parametrize("dist", list(MODULES))
+def test_every_wheel_carries_types_license_urls_and_classifiers(
+    dist: str, wheelhouse: Path
+) -> None:
+    with zipfile.ZipFile(_wheel(wheelhouse, dist)) as wheel:
+        names = wheel.namelist()
+        assert MODULES[dist].replace(".", "/") + "/py.typed" in names
+        licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert licenses and wheel.read(licenses[0]) == (ROOT / "LICENSE").read_bytes()
+        meta = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in meta
+    urls = [line for line in meta.splitlines() if line.startswith("Project-URL: ")]
+    assert {u.split(": ")[1].split(",")[0] for u in urls} >= {"Repository", "Changelog"}
+    assert "Classifier: Typing :: Typed" in meta
+    assert sum(line.startswith("Classifier: ") for line in meta.splitlines()) >= 5
+
+
+def test_the_app_wheel_runs_the_demo_of_the_checkout(
+    wheelhouse: Path, constraints: Path, tmp_path: Path
+) -> None:
+    """`tandem demo` from a wheel install, outside the checkout, resolves the same config as
+    the checkout's `configs/demo.toml`: the demo's config ships with the app."""
+    venv = _fresh_venv(tmp_path, wheelhouse, constraints, _wheel(wheelhouse, APP))
+    installed = _run([str(venv / "bin" / "tandem"), "demo", "--dump-config"], cwd=tmp_path)
+    here = _run([sys.executable, "-m", "tandem.app.cli", "demo", "--dump-config"], cwd=ROOT)
+    assert installed.stdout == here.stdout
+    assert 'name = "demo"' in installed.stdout and "[env.sandbox.limits]" in installed.stdout
 
 
 @pytest.mark.parametrize("dist", list(PACKAGES))
@@ -65,28 +115,8 @@ def test_wheel_installs_and_imports_alone(
     dist: str, wheelhouse: Path, constraints: Path, tmp_path: Path
 ) -> None:
     module, needs_torch = PACKAGES[dist]
-    wheels = sorted(wheelhouse.glob(f"{dist.replace('-', '_')}-*.whl"))
-    assert len(wheels) == 1, f"expected one wheel for {dist}, found {wheels}"
-    venv = tmp_path / "venv"
-    _run([_uv(), "venv", "--python", sys.executable, str(venv)], cwd=tmp_path)
+    venv = _fresh_venv(tmp_path, wheelhouse, constraints, _wheel(wheelhouse, dist))
     py = venv / "bin" / "python"
-    # Siblings are only reachable through the wheelhouse, so a dependency missing from
-    # the package's metadata shows up as an import error below.
-    _run(
-        [
-            _uv(),
-            "pip",
-            "install",
-            "--python",
-            str(py),
-            "--find-links",
-            str(wheelhouse),
-            "--constraint",
-            str(constraints),
-            str(wheels[0]),
-        ],
-        cwd=tmp_path,
-    )
     # Every submodule is imported, not just the package: optional extras (vllm, ray, boto3,
     # cupy) must be imported lazily inside the functions that use them.
     probe = (

@@ -18,7 +18,7 @@ EXPECTED = {
     "packages/delta-sync": ("tandem-delta-sync", "tandem.delta_sync"),
     "packages/agent-env": ("tandem-agent-env", "tandem.agent_env"),
     "packages/orchestrator": ("tandem-orchestrator", "tandem.orchestrator"),
-    "apps/tandem": ("tandem", "tandem.app"),
+    "apps/tandem": ("tandem-rl", "tandem.app"),
 }
 LEAVES = ["tandem-moe-determinism", "tandem-grpo", "tandem-delta-sync", "tandem-agent-env"]
 TORCH_FREE = ["tandem-delta-sync", "tandem-agent-env"]
@@ -95,3 +95,20 @@ def test_lock_file_is_ignored() -> None:
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     for entry in ("uv.lock", ".venv/"):
         assert entry in ignored
+
+
+@pytest.mark.parametrize("member", sorted(EXPECTED))
+def test_member_ships_license_changelog_and_types(member: str) -> None:
+    """Each distribution carries the root LICENSE (a link to it), a Keep a Changelog
+    CHANGELOG with the current state as 0.1.0, ``py.typed``, classifiers and project URLs."""
+    _, module = EXPECTED[member]
+    assert (ROOT / member / "LICENSE").read_bytes() == (ROOT / "LICENSE").read_bytes()
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    changelog = (ROOT / member / "CHANGELOG.md").read_text()
+    assert "Keep a Changelog" in changelog and "## [Unreleased]" in changelog
+    assert re.search(r"^## \[0\.1\.0\] - \d{4}-\d{2}-\d{2}$", changelog, re.M)
+    assert (ROOT / member / "src" / Path(*module.split(".")) / "py.typed").is_file()
+    project = _project(member)["project"]
+    assert project["license-files"] == ["LICENSE"]
+    assert "Typing :: Typed" in project["classifiers"]
+    assert {"Repository", "Changelog"} <= set(project["urls"])

@@ -6,4 +6,4 @@ libraries under ``packages/`` stay free of global side effects.
 
 from importlib.metadata import version as _version
 
-__version__ = _version("tandem")
+__version__ = _version("tandem-rl")

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from importlib.resources import files
 
 import structlog
 
@@ -31,13 +31,10 @@ class Command:
     default_config: str | None = None
 
 
-def _config_path(name: str) -> str | None:
-    """``configs/<name>`` of the source checkout, when the app runs from one."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "configs" / name
-        if candidate.is_file():
-            return str(candidate)
-    return None
+def _packaged_config(name: str) -> str:
+    """A config shipped inside this package (the demo's), so that a wheel-installed
+    `tandem demo` runs the same run as a checkout (where ``configs/`` links to it)."""
+    return str(files("tandem.app").joinpath(name))
 
 
 def _check(config: PipelineConfig, args: argparse.Namespace) -> int:
@@ -57,7 +54,7 @@ COMMANDS: dict[str, Command] = {
         help="mid-train a tiny MoE on code, then asynchronous GRPO on coding tasks; "
         "prints held-out pass@1 before/after",
         run=commands.run_demo,
-        default_config=_config_path("demo.toml"),
+        default_config=_packaged_config("demo.toml"),
     ),
     "midtrain": Command(
         help="next-token training on standard-library code and oracle agent transcripts",
