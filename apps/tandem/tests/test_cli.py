@@ -29,6 +29,16 @@ def test_dump_config_applies_overrides(capsys) -> None:
     assert tomllib.loads(out)["run"]["seed"] == 11
 
 
+def test_config_prints_every_section(capsys) -> None:
+    """`tandem config` without a file shows the whole run config, the libraries' too."""
+    assert main(["config", "--set", "logging.level=error"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    sections = {"run", "logging", "model", "tasks", "env", "episode", "midtrain", "engine"}
+    assert sections | {"trainer", "rl", "eval", "demo"} <= set(printed)
+    assert printed["env"]["sandbox"]["limits"]["pids"] > 0
+    assert printed["trainer"]["loss"]["loss_agg"] == "constant"
+
+
 def test_bad_key_exits_2_with_its_name(capsys) -> None:
     assert main(["config", "--set", "run.sed=1"]) == 2
     err = capsys.readouterr().err
