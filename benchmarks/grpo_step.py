@@ -4,7 +4,7 @@ Runs both sides in one process, interleaved, and prints medians and ratios:
 
 - ``policy_loss`` forward+backward alone (from log-probs that require grad), against the
   plain step, to show the loss itself is noise next to the model's forward/backward;
-- a full ``GRPOTrainer.step`` (advantages, dynamic sampling, IS weights, KL, metrics,
+- a full ``GRPOStep.step`` (advantages, dynamic sampling, IS weights, KL, metrics,
   gradient clipping, optimizer step) against a plain step: forward, masked cross-entropy,
   backward, clipping, optimizer step. Target: <= 1.1x.
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from tandem.grpo import GRPOConfig, GRPOTrainer, RolloutBatch, next_token_logprobs, policy_loss
+from tandem.grpo import GRPOConfig, GRPOStep, RolloutBatch, next_token_logprobs, policy_loss
 
 
 class TinyLM(torch.nn.Module):
@@ -99,7 +99,7 @@ def main() -> None:
     grpo_model.load_state_dict(plain_model.state_dict())
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-5)
     config = GRPOConfig(micro_batch_size=args.batch, kl_coef=0.01, skip_equal_reward_groups=False)
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         grpo_model,
         torch.optim.AdamW(grpo_model.parameters(), lr=1e-5),
         config,
@@ -145,9 +145,9 @@ def main() -> None:
         f"{'policy_loss forward+backward':<40}{med['loss'] * 1e3:>10.2f}"
         f"{med['loss'] / med['plain']:>15.3f}"
     )
-    print(f"{'GRPOTrainer.step':<40}{med['grpo'] * 1e3:>10.1f}{med['grpo'] / med['plain']:>15.3f}")
+    print(f"{'GRPOStep.step':<40}{med['grpo'] * 1e3:>10.1f}{med['grpo'] / med['plain']:>15.3f}")
     print(
-        f"target: GRPOTrainer.step <= 1.1x plain step -> "
+        f"target: GRPOStep.step <= 1.1x plain step -> "
         f"{'met' if med['grpo'] / med['plain'] <= 1.1 else 'NOT met'}"
     )
 

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from tandem.grpo import GRPOConfig, GRPOTrainer, RolloutBatch, shard_by_group
+from tandem.grpo import GRPOConfig, GRPOStep, RolloutBatch, shard_by_group
 
 CONFIG = GRPOConfig(loss_agg="token-mean", micro_batch_size=3, kl_coef=0.05, max_grad_norm=0.02)
 
@@ -57,7 +57,7 @@ def main(out: str, parallel: str) -> None:
 
         fully_shard(model)
         optimizer = accelerator.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-    trainer = GRPOTrainer(model, optimizer, CONFIG, accelerator, fsdp=fsdp)
+    trainer = GRPOStep(model, optimizer, CONFIG, accelerator, fsdp=fsdp)
     local = shard_by_group(batch, accelerator.process_index, accelerator.num_processes)
     metrics = trainer.step(local)
     state = accelerator.unwrap_model(model).state_dict()

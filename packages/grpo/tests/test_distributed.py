@@ -24,7 +24,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from tandem.grpo import GRPOTrainer
+from tandem.grpo import GRPOStep
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -47,14 +47,14 @@ def free_port() -> int:
 def test_two_processes_equal_one_process(tmp_path: Path, parallel: str) -> None:
     worker = load_worker()
     model, batch = worker.build(worker.load_tiny())
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model, torch.optim.SGD(model.parameters(), lr=0.5), worker.CONFIG, Accelerator(cpu=True)
     )
     single = trainer.step(batch)
     before = worker.build(worker.load_tiny())[0].state_dict()
     # one process accumulating as two would (`shards=2`) must give the 2-process bits
     sharded_model, _ = worker.build(worker.load_tiny())
-    sharded = GRPOTrainer(
+    sharded = GRPOStep(
         sharded_model,
         torch.optim.SGD(sharded_model.parameters(), lr=0.5),
         worker.CONFIG,

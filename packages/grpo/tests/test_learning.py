@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from tandem.grpo import GRPOConfig, GRPOTrainer
+from tandem.grpo import GRPOConfig, GRPOStep
 
 MAX_STEPS = 300
 # One seed by default; more seeds (checked across dozens while developing) under -m slow.
@@ -27,7 +27,7 @@ def train(
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = tiny.TinyPolicy()
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model, torch.optim.Adam(model.parameters(), lr=3e-2), config, Accelerator(cpu=True)
     )
     first = None

@@ -1,4 +1,4 @@
-"""`GRPOTrainer.step`: split invariance, equality with a direct loss, dynamic sampling, edge cases."""
+"""`GRPOStep.step`: split invariance, equality with a direct loss, dynamic sampling, edge cases."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from tandem.grpo import (
     GRPOConfig,
     GRPOError,
-    GRPOTrainer,
+    GRPOStep,
     RolloutBatch,
     group_advantages,
     importance_weights,
@@ -40,7 +40,7 @@ def make(tiny: ModuleType, seed: int = 0) -> tuple[torch.nn.Module, RolloutBatch
 def run_step(
     model: torch.nn.Module, batch: RolloutBatch, config: GRPOConfig, lr: float = 0.1
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model, torch.optim.SGD(model.parameters(), lr=lr), config, Accelerator(cpu=True)
     )
     metrics = trainer.step(batch)
@@ -134,7 +134,7 @@ def test_all_groups_equal_skips_the_step(tiny: ModuleType) -> None:
     model, batch = make(tiny)
     batch.rewards = torch.ones(24, dtype=torch.float64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model, torch.optim.SGD(model.parameters(), lr=0.1), GRPOConfig(), Accelerator(cpu=True)
     )
     metrics = trainer.step(batch)
@@ -159,7 +159,7 @@ def test_extreme_rollout_logprobs_keep_the_step_finite(tiny: ModuleType, is_mode
 def test_metrics_report_staleness_and_rewards(tiny: ModuleType) -> None:
     model, batch = make(tiny)
     batch.policy_version = torch.tensor([3] * 12 + [5] * 12)
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         GRPOConfig(),
@@ -172,7 +172,7 @@ def test_metrics_report_staleness_and_rewards(tiny: ModuleType) -> None:
     # without a version, staleness is measured against the newest trajectory's
     model, batch = make(tiny)
     batch.policy_version = torch.tensor([3] * 12 + [5] * 12)
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model, torch.optim.SGD(model.parameters(), lr=0.1), GRPOConfig(), Accelerator(cpu=True)
     )
     metrics = trainer.step(batch)
@@ -189,7 +189,7 @@ def test_custom_forward_hook_and_extras_are_sliced(tiny: ModuleType) -> None:
         seen.extend(micro.extras["row"].tolist())
         return next_token_logprobs(m(micro.input_ids), micro.input_ids)
 
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         GRPOConfig(micro_batch_size=5),
@@ -202,7 +202,7 @@ def test_custom_forward_hook_and_extras_are_sliced(tiny: ModuleType) -> None:
 
 def test_bad_batches_and_hooks_raise_clear_errors(tiny: ModuleType) -> None:
     model, batch = make(tiny)
-    trainer = GRPOTrainer(
+    trainer = GRPOStep(
         model, torch.optim.SGD(model.parameters(), lr=0.1), GRPOConfig(), Accelerator(cpu=True)
     )
     bad = batch.select(slice(None))

@@ -1,11 +1,14 @@
 """GRPO-family policy losses, group advantages, KL estimators and importance correction.
 
 Pure torch: turns a batch of scored rollouts into a policy update (Dr. GRPO by default).
-Names are imported on first use, so the configuration (`GRPOConfig`) loads without torch.
+Names are imported on first use, so the configuration (`GRPOConfig`) loads without torch
+and the losses without accelerate, which only `GRPOStep` (the ``trainer`` extra) needs.
+``GRPOTrainer`` is a deprecated alias of `GRPOStep` for one release.
 """
 
 from __future__ import annotations
 
+import warnings
 from importlib import import_module
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
     from tandem.grpo.importance import importance_weights
     from tandem.grpo.kl import kl_estimate, kl_penalized_rewards
     from tandem.grpo.loss import policy_loss, policy_ratio
-    from tandem.grpo.trainer import GRPOTrainer
+    from tandem.grpo.trainer import GRPOStep
 
 __version__ = _version("tandem-grpo")
 
@@ -36,7 +39,7 @@ _HOME = {
     "ForwardOutput": "batch",
     "GRPOConfig": "config",
     "GRPOError": "errors",
-    "GRPOTrainer": "trainer",
+    "GRPOStep": "trainer",
     "LossNormalizer": "aggregation",
     "RolloutBatch": "batch",
     "aggregate": "aggregation",
@@ -57,7 +60,7 @@ __all__ = [
     "ForwardOutput",
     "GRPOConfig",
     "GRPOError",
-    "GRPOTrainer",
+    "GRPOStep",
     "LossNormalizer",
     "RolloutBatch",
     "__version__",
@@ -76,7 +79,15 @@ __all__ = [
 ]
 
 
+# old name -> new name, kept for one release
+_DEPRECATED = {"GRPOTrainer": "GRPOStep"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        trainer = import_module(f"{__name__}.trainer")
+        warnings.warn(trainer._deprecated_alias_message(__name__), DeprecationWarning, stacklevel=2)
+        return getattr(trainer, _DEPRECATED[name])
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(import_module(f"{__name__}.{_HOME[name]}"), name)

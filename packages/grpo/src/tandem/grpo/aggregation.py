@@ -20,6 +20,7 @@ depend on how the batch was split.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
@@ -27,12 +28,7 @@ from tandem.grpo.config import LossAggregation
 from tandem.grpo.errors import GRPOError
 from tandem.grpo.numerics import masked_sum
 
-LOSS_AGGREGATIONS: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "constant",
-)
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 @dataclass(frozen=True)

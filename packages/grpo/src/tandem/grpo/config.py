@@ -10,7 +10,7 @@ IS with cap 2, the default of verl and TRL.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args, get_origin, get_type_hints
 
 import msgspec
 
@@ -24,7 +24,12 @@ ISMode = Literal["none", "token_tis", "token_mis", "sequence_mis", "geometric_mi
 
 
 class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Configuration of the GRPO-family loss and of `GRPOTrainer.step`.
+    """Configuration of the GRPO-family loss and of `GRPOStep.step`.
+
+    The values are checked when the config is built, by direct construction too (msgspec
+    checks types only when decoding): a choice outside its ``Literal`` (``ratio_level``,
+    ``loss_agg``, ``kl_estimator``, ``kl_placement``, ``is_mode``) raises `GRPOError` naming
+    the allowed values.
 
     Advantages
         std_normalize: divide group-centred rewards by the group's (unbiased) std, as the
@@ -108,6 +113,9 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         def bad(field: str, why: str) -> GRPOError:
             return GRPOError(f"GRPOConfig.{field}={getattr(self, field)!r}: {why}")
 
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise bad(name, f"must be one of {', '.join(map(repr, choices))}")
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef", "std_eps"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -128,3 +136,11 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             raise bad("micro_batch_size", "must be >= 1 sequence")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise bad("max_grad_norm", "must be > 0, or None to only measure the norm")
+
+
+# The enum-like settings and their allowed values, read from the Literal annotations above.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    name: get_args(hint)
+    for name, hint in get_type_hints(GRPOConfig).items()
+    if get_origin(hint) is Literal
+}

@@ -24,13 +24,15 @@ of -inf gives rho at the clamp (then truncated or masked), both -inf give rho = 
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from tandem.grpo.config import ISMode
 from tandem.grpo.errors import GRPOError
 from tandem.grpo.numerics import as_float, check_token_tensors, masked_sum, safe_log_ratio
 
-IS_MODES: tuple[str, ...] = ("none", "token_tis", "token_mis", "sequence_mis", "geometric_mis")
+IS_MODES: tuple[str, ...] = get_args(ISMode)
 
 
 def default_lower(mode: ISMode, cap: float) -> float:

@@ -14,6 +14,8 @@ positions outside the mask return 0.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from tandem.grpo.config import KLEstimator
@@ -38,7 +40,7 @@ def kl_estimate(
     elif estimator == "k3":
         kl = torch.expm1(log_r) - log_r
     else:
-        raise GRPOError(f"unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'")
+        raise GRPOError(f"unknown KL estimator {estimator!r}; use one of {get_args(KLEstimator)}")
     return torch.where(mask, kl, torch.zeros_like(kl))
 
 

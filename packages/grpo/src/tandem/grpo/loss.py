@@ -21,10 +21,12 @@ advantage is 0 (e.g. an all-equal group) contributes only its KL/entropy terms.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from tandem.grpo.aggregation import LossNormalizer, aggregate
-from tandem.grpo.config import GRPOConfig
+from tandem.grpo.config import GRPOConfig, RatioLevel
 from tandem.grpo.errors import GRPOError
 from tandem.grpo.kl import kl_estimate
 from tandem.grpo.numerics import as_float, check_token_tensors, masked_sum, safe_log_ratio
@@ -43,7 +45,9 @@ def policy_ratio(
     if config.ratio_level == "sequence":
         seq_log = masked_sum(log_ratio, mask, dim=1) / mask.sum(1).clamp(min=1)
         return (seq_log.detach()[:, None] + log_ratio - log_ratio.detach()).exp()
-    raise GRPOError(f"unknown ratio_level {config.ratio_level!r}; use 'token' or 'sequence'")
+    raise GRPOError(
+        f"unknown ratio_level {config.ratio_level!r}; use one of {get_args(RatioLevel)}"
+    )
 
 
 def policy_loss(

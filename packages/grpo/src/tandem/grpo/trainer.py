@@ -1,4 +1,10 @@
-"""`GRPOTrainer`: one optimizer step per batch of scored rollouts, through accelerate.
+"""`GRPOStep`: one optimizer step per batch of scored rollouts, through accelerate.
+
+It neither generates nor loops over a dataset (TRL's ``GRPOTrainer`` does both): the caller
+brings the rollouts and calls `GRPOStep.step` once per batch. accelerate, the ``trainer``
+extra (``pip install "tandem-grpo[trainer]"``), is imported only when a `GRPOStep` is built;
+the losses it combines need torch alone. ``GRPOTrainer`` is a deprecated alias of `GRPOStep`
+for one release.
 
 A step: rewards (optionally KL-penalised) -> group advantages -> drop all-equal groups (DAPO
 dynamic sampling) -> global loss normaliser (one all-reduce) -> micro-batches: forward hook,
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -66,8 +73,11 @@ _TOKEN_MEANS = (
 _MAXES = ("ratio_max", "is_weight_max", "staleness_max")
 
 
-class GRPOTrainer:
-    """Applies GRPO-family updates to ``model`` with ``optimizer``.
+class GRPOStep:
+    """One GRPO-family optimizer step on ``model`` per call of `step`, on rollouts given to it.
+
+    Needs accelerate (``pip install "tandem-grpo[trainer]"``); raises `GRPOError` saying so
+    when it is missing.
 
     Args:
         model, optimizer: prepared here with ``accelerator.prepare`` unless the optimizer is
@@ -93,13 +103,21 @@ class GRPOTrainer:
         lr_scheduler: Any = None,
         fsdp: bool = False,
     ) -> None:
-        from accelerate import Accelerator
-        from accelerate.optimizer import AcceleratedOptimizer
+        try:
+            from accelerate import Accelerator
+            from accelerate.optimizer import AcceleratedOptimizer
+        except ModuleNotFoundError as e:
+            if (e.name or "accelerate").partition(".")[0] != "accelerate":
+                raise
+            raise GRPOError(
+                'GRPOStep needs accelerate, the "trainer" extra: '
+                'pip install "tandem-grpo[trainer]" (the losses need torch alone)'
+            ) from None
 
         self.accelerator = accelerator if accelerator is not None else Accelerator()
         if self.accelerator.gradient_accumulation_steps != 1:
             raise GRPOError(
-                "GRPOTrainer splits batches into micro-batches itself; create the Accelerator "
+                "GRPOStep splits batches into micro-batches itself; create the Accelerator "
                 "with gradient_accumulation_steps=1 and set GRPOConfig.micro_batch_size instead"
             )
         if isinstance(optimizer, AcceleratedOptimizer):
@@ -424,6 +442,22 @@ class GRPOTrainer:
             staleness_mean=raw["staleness_sum"] / max(all_seqs, 1.0),
         )
         return metrics
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GRPOTrainer":
+        warnings.warn(_deprecated_alias_message(__name__), DeprecationWarning, stacklevel=2)
+        return GRPOStep
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _deprecated_alias_message(module: str) -> str:
+    """The warning given when ``GRPOTrainer`` (removed in the next release) is used."""
+    return (
+        f"{module}.GRPOTrainer is deprecated and will be removed in the next release: "
+        f"use {module}.GRPOStep, the same class (renamed because TRL's GRPOTrainer generates "
+        "and trains from a dataset, while this class takes one optimizer step on given rollouts)"
+    )
 
 
 @contextmanager

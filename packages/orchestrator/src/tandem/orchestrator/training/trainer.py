@@ -1,6 +1,6 @@
 """The RL trainer: GRPO on scored groups with router replay, and train/rollout agreement checks.
 
-`tandem.grpo.GRPOTrainer` does the update (Dr. GRPO advantages, clipped policy loss,
+`tandem.grpo.GRPOStep` does the update (Dr. GRPO advantages, clipped policy loss,
 truncated importance weights against the rollout log-probs); `scoring.ReplayScorer` is its
 forward hook, re-scoring each trajectory with the engine's experts (R3), the trainer's own
 (R2), or free. Each step also measures how far the trainer is from the engine
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tandem.grpo import GRPOTrainer, RolloutBatch, shard_by_group
+from tandem.grpo import GRPOStep, RolloutBatch, shard_by_group
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.training.agreement import mismatch, routing_check
@@ -83,7 +83,7 @@ class RLTrainer:
         optimizer: Any = self.optimizer
         if self.fsdp and world > 1:  # the model is used as sharded; only the optimizer wraps
             optimizer = accelerator.prepare_optimizer(self.optimizer)
-        self.grpo = GRPOTrainer(
+        self.grpo = GRPOStep(
             model, optimizer, config.loss, accelerator, forward_fn=self.hook, fsdp=self.fsdp
         )
 

@@ -11,7 +11,7 @@ pieces on the driver. The driver talks to the ranks through `RayTrainer` (the ba
 
 Every rank sees the same groups (small: token ids and routes), so a step depends only on
 them and the weights: with ``processes`` = 2 the update is the one a single process makes
-with ``trainer.processes = 2`` on the local backend (`GRPOTrainer.step`'s ``shards``), bit
+with ``trainer.processes = 2`` on the local backend (`GRPOStep.step`'s ``shards``), bit
 for bit at the same per-process thread count.
 """
 
