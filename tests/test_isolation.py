@@ -127,6 +127,7 @@ def test_wheel_installs_and_imports_alone(
         "for name in subs: importlib.import_module(name)\n"
         "print(json.dumps({'version': m.__version__, 'file': m.__file__, 'subs': subs,"
         " 'torch': importlib.util.find_spec('torch') is not None,"
+        " 'accelerate': importlib.util.find_spec('accelerate') is not None,"
         " 'tandem_init': importlib.util.find_spec('tandem').origin}))\n"
     )
     out = _run([str(py), "-c", probe], cwd=tmp_path).stdout
@@ -134,6 +135,8 @@ def test_wheel_installs_and_imports_alone(
     assert info["version"] == "0.1.0"
     assert str(venv) in info["file"], "imported from the workspace, not the fresh venv"
     assert info["tandem_init"] is None, "tandem must stay a PEP 420 namespace (no __init__.py)"
+    if dist == "tandem-grpo":  # the losses need torch alone; accelerate is the trainer's extra
+        assert info["accelerate"] is False, "tandem-grpo pulled in accelerate"
     if not needs_torch:
         assert info["torch"] is False, f"{dist} pulled in torch"
     else:
