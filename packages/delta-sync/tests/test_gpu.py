@@ -76,3 +76,20 @@ def test_cuda_wrong_base_is_undone(trainer, same_bits) -> None:
     with pytest.raises(BaseMismatchError):
         apply_delta(live, blob)
     same_bits(live, v0)
+
+
+def test_cuda_tied_weights_are_stored_once_and_pulled_onto_a_tied_engine(
+    local_store, trainer, same_bits
+) -> None:
+    pub = Publisher(local_store, chunk_bytes=1 << 16, shard_bytes=1 << 16)
+    engine = _cuda(trainer.snapshot())
+    engine["lm_head"] = engine["embed"]  # tied on the device, as Hugging Face ties them
+    sub = Subscriber(local_store)
+    for v in range(3):
+        state = _cuda(trainer.step())
+        state["lm_head"] = state["embed"]
+        pub.publish(v, state)
+        sub.pull(engine)
+        same_bits(engine, state)
+    assert sub.manifest(2).aliases() == {"lm_head": "embed"}
+    assert engine["lm_head"].data_ptr() == engine["embed"].data_ptr()

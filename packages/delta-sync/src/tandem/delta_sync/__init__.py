@@ -10,6 +10,10 @@ numpy arrays and torch tensors (CPU or CUDA) are both accepted.
     sub = Subscriber(HttpStore("http://relay:8080"), version=current)   # per engine
     prepared = sub.prepare()            # download + verify + decode while serving
     report = prepared.apply(weights)    # the pause: patch in place
+
+Tied tensors (one tensor under two names) are stored once and restored as aliases;
+`to_torch` / `materialize(as_torch=True)` give torch tensors bit for bit; and
+`save_safetensors` / `load_safetensors` read and write safetensors files without torch.
 """
 
 from importlib.metadata import version as _version
@@ -26,6 +30,7 @@ from tandem.delta_sync.errors import (
 from tandem.delta_sync.manifest import Manifest
 from tandem.delta_sync.publisher import Publisher
 from tandem.delta_sync.reports import PayloadReport, PublishReport, PullReport
+from tandem.delta_sync.safetensors_io import load_safetensors, save_safetensors
 from tandem.delta_sync.stores import (
     HttpStore,
     LocalStore,
@@ -35,6 +40,7 @@ from tandem.delta_sync.stores import (
     open_store,
 )
 from tandem.delta_sync.subscriber import Prepared, Subscriber
+from tandem.delta_sync.torch_interop import to_torch
 
 __version__ = _version("tandem-delta-sync")
 
@@ -61,6 +67,9 @@ __all__ = [
     "decode_full",
     "encode_delta",
     "encode_full",
+    "load_safetensors",
     "open_store",
+    "save_safetensors",
+    "to_torch",
     "warm_up",
 ]

@@ -9,84 +9,62 @@
     delta-sync bench --mb 256
 
 STORE is a directory, file://DIR, s3://BUCKET/PREFIX or http(s)://HOST/PATH.
+Every failure is one line, `delta-sync: ...`, on stderr, and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-from contextlib import contextmanager
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
-import structlog
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from tandem.delta_sync import safetensors_io
+from tandem.delta_sync.cli_output import configure_logging, make_console, transfer_progress
 from tandem.delta_sync.dtypes import itemsize
 from tandem.delta_sync.errors import DeltaSyncError
 from tandem.delta_sync.manifest import LATEST_KEY, manifest_key
 from tandem.delta_sync.parallel import default_workers
 from tandem.delta_sync.stores import LocalStore, open_store
+from tandem.delta_sync.stores.base import nothing_published
+from tandem.delta_sync.stores.local import os_error_message
 from tandem.delta_sync.subscriber import Subscriber
-
-console = Console(stderr=True)
-
-
-@contextmanager
-def transfer_progress(total: int, phases: tuple[str, ...]):
-    """A rich progress bar per phase; yields a callback (phase, nbytes)."""
-    with Progress(
-        TextColumn("{task.description:>8}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as bar:
-        # a publish encodes one pass per payload and uploads an unknown number of bytes
-        sized = ("download", "mirror")
-        tasks = {p: bar.add_task(p, total=total if p in sized else None) for p in phases}
-        yield lambda phase, n: bar.advance(tasks[phase], n) if phase in tasks else None
 
 
 def load_state(path: str) -> dict[str, np.ndarray]:
+    if not path.endswith((".safetensors", ".npz")):
+        raise DeltaSyncError(f"{path}: expected a .safetensors or .npz file")
+    if not Path(path).is_file():
+        raise DeltaSyncError(f"{path}: no such file")
     if path.endswith(".safetensors"):
         return safetensors_io.load(path)
-    if path.endswith(".npz"):
-        with np.load(path) as z:
+    try:
+        with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    raise DeltaSyncError(f"{path}: expected a .safetensors or .npz file")
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise DeltaSyncError(f"{path}: not a readable .npz file ({e})") from None
 
 
-def cmd_publish(args: argparse.Namespace) -> int:
+def cmd_publish(args: argparse.Namespace, console: Console) -> int:
     from tandem.delta_sync.publisher import Publisher
 
+    # the store first: a read-only or unknown store is refused before the file is read
+    pub = Publisher(
+        open_store(args.store),
+        anchor_every=args.anchor_every,
+        shard_bytes=args.shard_mb << 20,
+        chunk_bytes=args.chunk_mb << 20,
+        workers=args.workers,
+    )
     state = load_state(args.file)
-    total = sum(a.nbytes for a in state.values())
-    store = open_store(args.store)
-    with transfer_progress(total, ("encode", "upload")) as progress:
-        pub = Publisher(
-            store,
-            anchor_every=args.anchor_every,
-            shard_bytes=args.shard_mb << 20,
-            chunk_bytes=args.chunk_mb << 20,
-            workers=args.workers,
-            progress=progress,
-        )
+    with pub, transfer_progress(console) as progress:
+        pub.progress = progress  # rebuild (a store with versions), encode, upload
         report = pub.publish(args.version, state)
     kind = "anchor" if report.is_anchor else "delta"
     console.print(
@@ -96,12 +74,15 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pull(args: argparse.Namespace) -> int:
+def cmd_pull(args: argparse.Namespace, console: Console) -> int:
     store = open_store(args.store)
+    dest = open_store(args.mirror) if args.mirror else None
+    if dest is not None and dest.read_only:
+        raise DeltaSyncError(f"cannot mirror into {dest.describe()}: it is a read-only store")
     sub = Subscriber(store, workers=args.workers)
     target = sub.latest() if args.version is None else args.version
     if target is None:
-        raise DeltaSyncError(f"nothing has been published to {store.describe()} yet")
+        raise nothing_published(store)
     path = sub.plan(target, None)
     keys = [
         ref
@@ -110,9 +91,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
         for ref in part.payload_from(base).shards  # type: ignore[union-attr]
     ]
     total = sum(r.nbytes for r in keys)
-    if args.mirror:
-        dest = open_store(args.mirror)
-        with transfer_progress(total, ("mirror",)) as progress:
+    if dest is not None:
+        with transfer_progress(console, {"mirror": total}) as progress:
             for ref in keys:
                 if not dest.exists(ref.key):
                     dest.put(ref.key, store.get(ref.key))
@@ -122,28 +102,28 @@ def cmd_pull(args: argparse.Namespace) -> int:
         if args.version is None:
             dest.put(LATEST_KEY, store.get(LATEST_KEY))
         console.print(f"mirrored version {target} into {dest.describe()} ({total:,} bytes)")
-    if args.out:
-        with transfer_progress(total, ("download",)) as progress:
+    if args.out or not args.mirror:
+        with transfer_progress(console, {"download": total}) as progress:
             sub.progress = progress
             arrays = sub.materialize(target)
-        safetensors_io.save(args.out, arrays)
-        console.print(f"wrote version {target} ({len(arrays)} tensors) to {args.out}")
-    if not args.mirror and not args.out:
-        sub.materialize(target)
-        console.print(f"version {target} downloaded and verified (use --out or --mirror)")
+        if args.out:
+            safetensors_io.save(args.out, arrays)
+            console.print(f"wrote version {target} ({len(arrays)} tensors) to {args.out}")
+        else:
+            console.print(f"version {target} downloaded and verified (use --out or --mirror)")
     return 0
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     sub = Subscriber(open_store(args.store))
     target = sub.latest() if args.version is None else args.version
     if target is None:
-        raise DeltaSyncError("nothing has been published yet")
+        raise nothing_published(sub.store)
     m = sub.manifest(target)
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(m)).decode() + "\n")
         return 0
-    out = Console()
+    out = make_console(stderr=False)
     dense = m.dense_bytes
     out.print(
         f"version {m.version}  anchor {m.anchor_version}  tensors {len(m.tensors())}  "
@@ -168,7 +148,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from tandem.delta_sync.server import StoreServer
 
     server = StoreServer(args.root, args.host, args.port)
@@ -186,7 +166,7 @@ def _serve_until_interrupted(server: Any) -> None:
         server.httpd.server_close()
 
 
-def cmd_relay(args: argparse.Namespace) -> int:
+def cmd_relay(args: argparse.Namespace, console: Console) -> int:
     from tandem.delta_sync.server import StoreServer
     from tandem.delta_sync.stores.relay import RelayStore
 
@@ -198,7 +178,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from tandem.delta_sync import bench
 
     workers = args.workers or default_workers()
@@ -217,71 +197,108 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="delta-sync", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless the option is required or its
+    help already says what the default is."""
 
-    pub = sub.add_parser("publish", help="publish a state file as the next version")
-    pub.add_argument("store")
-    pub.add_argument("file", help=".safetensors or .npz")
-    pub.add_argument("--version", type=int, required=True)
-    pub.add_argument("--anchor-every", type=int, default=25)
-    pub.add_argument("--shard-mb", type=int, default=32)
-    pub.add_argument("--chunk-mb", type=int, default=4)
-    pub.add_argument("--workers", type=int, default=None)
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.required or "default" in text:
+            return text
+        if action.default in (None, argparse.SUPPRESS):
+            return text
+        default = ("on" if action.default else "off") if action.const is True else "%(default)s"
+        return f"{text} (default: {default})"
+
+
+_STORE = "a directory, file://DIR, s3://BUCKET/PREFIX or http(s)://HOST/PATH"
+_WORKERS = "threads for encoding and decoding (default: one per CPU core)"
+_VERSION_LATEST = "the version (default: the latest)"
+
+
+def _subparser(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="delta-sync", description=__doc__, formatter_class=_HelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pub = _subparser(sub, "publish", "publish a state file as the next version")
+    pub.add_argument(
+        "store", help="where to publish: a directory, file://DIR or s3://BUCKET/PREFIX"
+    )
+    pub.add_argument("file", help="the state: a .safetensors or .npz file")
+    pub.add_argument("--version", type=int, required=True, help="the version number to publish")
+    pub.add_argument("--anchor-every", type=int, default=25, help="versions between full anchors")
+    pub.add_argument("--shard-mb", type=int, default=32, help="shard size in MiB")
+    pub.add_argument("--chunk-mb", type=int, default=4, help="chunk size in MiB")
+    pub.add_argument("--workers", type=int, default=None, help=_WORKERS)
     pub.set_defaults(fn=cmd_publish)
 
-    pull = sub.add_parser("pull", help="download, verify and rebuild a version")
-    pull.add_argument("store")
-    pull.add_argument("--version", type=int, default=None)
-    pull.add_argument("--out", help="write the version to this .safetensors file")
-    pull.add_argument("--mirror", help="copy the version's objects into this store (a relay)")
-    pull.add_argument("--workers", type=int, default=None)
+    pull = _subparser(sub, "pull", "download, verify and rebuild a version")
+    pull.add_argument("store", help=f"where to pull from: {_STORE}")
+    pull.add_argument("--version", type=int, default=None, help=_VERSION_LATEST)
+    pull.add_argument(
+        "--out", help="write the version to this .safetensors file (default: only verify it)"
+    )
+    pull.add_argument(
+        "--mirror",
+        help="copy the version's objects into this store, e.g. a relay directory (default: none)",
+    )
+    pull.add_argument("--workers", type=int, default=None, help=_WORKERS)
     pull.set_defaults(fn=cmd_pull)
 
-    ins = sub.add_parser("inspect", help="summarise a version's manifest")
-    ins.add_argument("store")
-    ins.add_argument("--version", type=int, default=None)
-    ins.add_argument("--json", action="store_true")
+    ins = _subparser(sub, "inspect", "summarise a version's manifest")
+    ins.add_argument("store", help=f"the store: {_STORE}")
+    ins.add_argument("--version", type=int, default=None, help=_VERSION_LATEST)
+    ins.add_argument("--json", action="store_true", help="print the manifest as JSON")
     ins.set_defaults(fn=cmd_inspect)
 
-    srv = sub.add_parser("serve", help="serve a store directory read-only over HTTP")
-    srv.add_argument("root")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8080)
+    srv = _subparser(sub, "serve", "serve a store directory read-only over HTTP")
+    srv.add_argument("root", help="the store directory to serve")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one)")
     srv.set_defaults(fn=cmd_serve)
 
-    rel = sub.add_parser(
-        "relay", help="serve a remote store over HTTP, fetching each object once into a cache"
+    rel = _subparser(
+        sub, "relay", "serve a remote store over HTTP, fetching each object once into a cache"
     )
     rel.add_argument("origin", help="the store the trainer publishes to (s3://, http://, a path)")
     rel.add_argument("--cache", required=True, help="directory for the relay's copies")
     rel.add_argument("--latest-ttl", type=float, default=1.0, help="seconds to hold `latest`")
-    rel.add_argument("--host", default="127.0.0.1")
-    rel.add_argument("--port", type=int, default=8080)
+    rel.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    rel.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one)")
     rel.set_defaults(fn=cmd_relay)
 
-    b = sub.add_parser("bench", help="measure ratios and throughput on Adam-made deltas")
+    b = _subparser(sub, "bench", "measure ratios and throughput on Adam-made deltas")
     b.add_argument("--mb", type=int, default=256, help="dense bf16 megabytes of the state")
-    b.add_argument("--lrs", default="5e-7,1e-6,2e-6,5e-6,1e-5")
-    b.add_argument("--workers", type=int, default=None)
-    b.add_argument("--repeat", type=int, default=2)
+    b.add_argument(
+        "--lrs", default="5e-7,1e-6,2e-6,5e-6,1e-5", help="learning rates, comma-separated"
+    )
+    b.add_argument("--workers", type=int, default=None, help=_WORKERS)
+    b.add_argument("--repeat", type=int, default=2, help="timed runs per measurement")
     b.set_defaults(fn=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # this is the application entry point: library events go to stderr, stdout stays data
-    structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-    )
+    # the application entry point: bars, messages and library log events share one
+    # console on stderr (stdout stays data)
+    console = make_console()
+    configure_logging(console)
     try:
-        return args.fn(args)
+        return args.fn(args, console)
     except DeltaSyncError as e:
-        console.print(f"[red]delta-sync: {e}[/red]")
-        return 1
+        message = str(e)
+    except OSError as e:  # a file or socket the command itself opened
+        where = f"{e.filename}: " if e.filename else ""
+        message = f"{where}{os_error_message(e)}"
+    console.print(f"delta-sync: {' '.join(message.split())}", style="red")
+    return 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     blob = encode_full(state); decode_full(blob) -> {name: np.ndarray}
 
 The blob carries the base and target digest of every tensor, so applying it onto anything
-but its base raises BaseMismatchError and changes nothing.
+but its base raises BaseMismatchError and changes nothing. A tensor under two names (tied
+weights) is stored once and its other name recorded as an alias (see `aliases`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from tandem.delta_sync.aliases import bind, restore_aliases, split_aliases
 from tandem.delta_sync.codec.container import ShardBuilder
-from tandem.delta_sync.codec.encoder import encode_state, tensor_infos
+from tandem.delta_sync.codec.encoder import check_same_names, encode_state, tensor_infos
 from tandem.delta_sync.codec.patch import apply_patch, check_targets, stage
 from tandem.delta_sync.dtypes import numpy_dtype
 from tandem.delta_sync.errors import DeltaSyncError, IntegrityError
@@ -38,6 +40,7 @@ class BlobMeta(msgspec.Struct):
     chunk_bytes: int
     base: list[TensorInfo] | None
     tensors: list[TensorInfo]
+    aliases: dict[str, str] = {}  # tied tensors: alias -> name in `tensors`
 
 
 def _pack(meta: BlobMeta, shard: bytes) -> bytes:
@@ -66,8 +69,14 @@ def _encode(
     level: int,
     workers: int | None,
 ) -> bytes:
-    new_v = views_of(new)
-    base_v = views_of(base) if base is not None else None
+    unique, aliases = split_aliases(new)  # the new state's tying decides what is stored
+    new_v = views_of(unique)
+    base_v = None
+    if base is not None:
+        if not isinstance(base, Mapping):
+            raise DeltaSyncError(f"a state must be a mapping of name -> tensor, got {type(base)}")
+        check_same_names(new, base)
+        base_v = views_of({n: base[n] for n in unique})
     shards: list[bytes] = []
     with ThreadPoolExecutor(workers or default_workers()) as pool:
         stats = encode_state(
@@ -88,6 +97,7 @@ def _encode(
         chunk_bytes,
         base_info,
         tensor_infos(new_v, stats.digests),
+        aliases,
     )
     return _pack(meta, shards[0])
 
@@ -120,29 +130,46 @@ def apply_delta(
 ) -> None:
     """Patch `target` in place from its base to the blob's new version (or a full blob).
 
-    Raises BaseMismatchError, with `target` unchanged, if it is not the blob's base.
+    Raises BaseMismatchError, with `target` unchanged, if it is not the blob's base. Tied
+    tensors may be held tied (one tensor under both names) or as separate tensors.
     """
     meta, shard = _unpack(delta)
-    views = views_of({n: target[n] for n in target}, writable=True)
-    targets = {t.name: t for t in meta.tensors}
+    stored = {t.name: t for t in meta.tensors}
     label = f"{meta.kind} blob"
+    views, targets, sources = bind(target, stored, meta.aliases, label)
     check_targets(views, targets, label)
     with ThreadPoolExecutor(workers or default_workers()) as pool:
         patch = stage(
             [(meta.kind == "full", [(shard, label)])],
-            targets,
+            stored,
             chunk_bytes=meta.chunk_bytes,
             pool=pool,
             label=label,
         )
-        apply_patch(patch, views, targets, chunk_bytes=meta.chunk_bytes, pool=pool, label=label)
+        apply_patch(
+            patch,
+            views,
+            targets,
+            chunk_bytes=meta.chunk_bytes,
+            pool=pool,
+            label=label,
+            sources=sources,
+        )
 
 
-def decode_full(blob: bytes | memoryview, *, workers: int | None = None) -> dict[str, np.ndarray]:
-    """The state stored by encode_full, as numpy arrays (bf16/fp8 through ml_dtypes)."""
+def decode_full(
+    blob: bytes | memoryview, *, workers: int | None = None, as_torch: bool = False
+) -> dict[str, Any]:
+    """The state stored by encode_full, as numpy arrays (bf16/fp8 through ml_dtypes), or
+    with `as_torch` as torch tensors, bit for bit; a tied tensor's names are one array."""
     meta, _ = _unpack(blob)
     if meta.kind != "full":
         raise DeltaSyncError("decode_full needs a blob from encode_full; use apply_delta instead")
     arrays = {t.name: np.zeros(t.shape, numpy_dtype(t.dtype)) for t in meta.tensors}
+    restore_aliases(arrays, meta.aliases)
     apply_delta(arrays, blob, workers=workers)
+    if as_torch:
+        from tandem.delta_sync.torch_interop import to_torch
+
+        return to_torch(arrays)
     return arrays

@@ -44,14 +44,28 @@ INT_BY_WIDTH: dict[int, np.dtype] = {
 }
 
 
-def dtype_name_of_numpy(dtype: np.dtype) -> str:
+def unsupported(tensor: str | None, dtype: object) -> DeltaSyncError:
+    """The one-line refusal of a dtype delta-sync does not diff (naming the tensor)."""
+    where = f"tensor {tensor!r}: " if tensor else ""
+    return DeltaSyncError(
+        f"{where}unsupported dtype {dtype} (delta-sync diffs {', '.join(NUMPY_DTYPES)}); "
+        "cast it to one of those or leave it out of the state"
+    )
+
+
+def dtype_name_of_numpy(dtype: np.dtype, tensor: str | None = None) -> str:
     for name, dt in NUMPY_DTYPES.items():
         if dt == dtype:
             return name
-    raise DeltaSyncError(
-        f"unsupported dtype {dtype}; supported: {', '.join(NUMPY_DTYPES)} "
-        "(cast the tensor or file an issue)"
-    )
+    raise unsupported(tensor, dtype)
+
+
+def supported_torch_dtype(t: Any, tensor: str) -> str:
+    """The delta-sync name of a torch tensor's dtype; a one-line error naming it if none."""
+    name = torch_dtype_name(t)
+    if name not in NUMPY_DTYPES:
+        raise unsupported(tensor, f"torch.{name}")
+    return name
 
 
 def numpy_dtype(name: str) -> np.dtype:

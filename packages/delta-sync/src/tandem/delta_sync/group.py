@@ -19,6 +19,7 @@ import msgspec
 
 from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundError, StoreError
 from tandem.delta_sync.manifest import (
+    ALIASES_FORMAT,
     LATEST_KEY,
     MANIFEST_FORMAT,
     Latest,
@@ -94,13 +95,13 @@ def commit_group(store: Store, own: PartRecord, group: Sequence[str], timeout: f
                 f"{own.part.name!r} with anchor {own.anchor_version} and {own.chunk_bytes}: "
                 "every rank must publish with the same settings and history"
             )
-        for t in r.part.tensors:
-            if t.name in seen:
+        for name in [*(t.name for t in r.part.tensors), *r.part.aliases]:
+            if name in seen:
                 raise DeltaSyncError(
-                    f"version {v}: tensor {t.name!r} is in parts {seen[t.name]!r} and "
+                    f"version {v}: tensor {name!r} is in parts {seen[name]!r} and "
                     f"{r.part.name!r}; each tensor belongs to one rank"
                 )
-            seen[t.name] = r.part.name
+            seen[name] = r.part.name
     if len({frozenset(r.part.bases()) for r in records}) != 1:
         raise DeltaSyncError(f"version {v}: the parts were not encoded against the same bases")
     return commit_version(store, v, own.anchor_version, own.chunk_bytes, [r.part for r in records])
@@ -112,8 +113,10 @@ def commit_version(
     """Write the manifest of `parts` (its digest from their tensors' digests), then `latest`:
     the atomic commit of a version, by a single publisher or a group's committer."""
     digests = {t.name: t.digest for p in parts for t in p.tensors}
+    aliases = {a: s for p in parts for a, s in p.aliases.items()}
+    digests.update({a: digests[s] for a, s in aliases.items()})  # a tied name has its bits
     manifest = Manifest(
-        format=MANIFEST_FORMAT,
+        format=ALIASES_FORMAT if aliases else MANIFEST_FORMAT,
         version=version,
         anchor_version=anchor_version,
         chunk_bytes=chunk_bytes,

@@ -8,6 +8,11 @@ offers one or more *payloads* that produce the version from a given base:
 * ``delta``  : changes against ``base_version`` (the previous version: the step delta; or
   the version's anchor: the catch-up delta, so a far-behind reader needs anchor + one delta).
 
+Tied tensors (one tensor under two names) are stored once: a part lists the stored name in
+``tensors`` and the other under ``aliases`` (alias -> stored name). Such a manifest has
+format 2, which readers that know nothing of aliases refuse; one without aliases keeps
+format 1, byte for byte.
+
 A stream's `latest` pointer names its newest committed version; it is written after that
 version's manifest, so a reader that finds it finds the manifest too.
 """
@@ -26,6 +31,8 @@ if TYPE_CHECKING:  # for annotations only: the stores package imports this modul
     from tandem.delta_sync.stores.base import Store
 
 MANIFEST_FORMAT = 1
+ALIASES_FORMAT = 2  # the format of a manifest with aliases (tied tensors)
+READ_FORMATS = (MANIFEST_FORMAT, ALIASES_FORMAT)
 LATEST_KEY = "latest"
 
 
@@ -55,10 +62,11 @@ class Payload(msgspec.Struct, frozen=True):
         return sum(s.nbytes for s in self.shards)
 
 
-class Part(msgspec.Struct, frozen=True):
+class Part(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str
     tensors: list[TensorInfo]
     payloads: list[Payload]
+    aliases: dict[str, str] = {}  # tied tensors: alias name -> name in `tensors`
 
     def bases(self) -> set[int | None]:
         """Base versions this part has a payload from (None = full)."""
@@ -93,6 +101,15 @@ class Manifest(msgspec.Struct, frozen=True):
                 )
         return {
             t.name: t for p in self.parts if parts is None or p.name in parts for t in p.tensors
+        }
+
+    def aliases(self, parts: Collection[str] | None = None) -> dict[str, str]:
+        """Tied tensors of the version (or of the named parts): alias -> stored name."""
+        return {
+            a: s
+            for p in self.parts
+            if parts is None or p.name in parts
+            for a, s in p.aliases.items()
         }
 
     def bases(self) -> set[int | None]:
@@ -156,10 +173,10 @@ def decode_manifest(data: bytes, version: int | None = None) -> Manifest:
         m = msgspec.json.decode(data, type=Manifest)
     except msgspec.DecodeError as e:
         raise IntegrityError(f"manifest of version {version}: unreadable ({e})") from None
-    if m.format != MANIFEST_FORMAT:
+    if m.format not in READ_FORMATS:
         raise DeltaSyncError(
             f"manifest of version {m.version} has format {m.format}; this build reads "
-            f"{MANIFEST_FORMAT} (upgrade tandem-delta-sync)"
+            f"{' and '.join(map(str, READ_FORMATS))} (upgrade tandem-delta-sync)"
         )
     if version is not None and m.version != version:
         raise IntegrityError(f"manifest at version {version} says it is version {m.version}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from tandem.delta_sync.aliases import check_same_ties, split_aliases
 from tandem.delta_sync.codec.container import shard_digest, shard_key
 from tandem.delta_sync.codec.encoder import encode_state, tensor_infos
 from tandem.delta_sync.errors import DeltaSyncError, StoreError
@@ -46,6 +47,7 @@ from tandem.delta_sync.tensors import view_of, views_of
 log = structlog.get_logger()
 
 Progress = Callable[[str, int], None]  # (phase, bytes just done)
+# phases: "rebuild" (a fresh publisher downloading its base), "encode", "upload"
 
 
 class Publisher:
@@ -61,6 +63,10 @@ class Publisher:
     Per-rank publishing: every rank of a sharded trainer runs its own Publisher with
     `part` = its name and the same `group` (all the names; the first commits), and publishes
     only its own tensors; see `group`.
+
+    Tied tensors (one tensor under two names, e.g. an embedding and the output head) are
+    stored once and recorded as aliases; the tying must stay the same within a stream.
+    A read-only store (`HttpStore`, `RelayStore`) is refused here, before any work.
     """
 
     def __init__(
@@ -85,6 +91,12 @@ class Publisher:
             raise DeltaSyncError(f"chunk_bytes must be in [64 KiB, 1 GiB], got {chunk_bytes}")
         if shard_bytes < chunk_bytes:
             raise DeltaSyncError("shard_bytes must be at least chunk_bytes")
+        if store.read_only:
+            raise StoreError(
+                f"cannot publish to {store.describe()}: it is a read-only store "
+                f"({type(store).__name__}); publish to the origin (a directory, file:// or "
+                "s3://) that it serves"
+            )
         self.store = store
         self.anchor_every = anchor_every
         self.shard_bytes = shard_bytes
@@ -99,6 +111,7 @@ class Publisher:
         self.progress = progress
         self._prev: dict[str, TensorView] | None = None
         self._prev_manifest: Manifest | None = None
+        self._aliases: dict[str, str] = {}  # tied tensors of the last version
         self._anchor: dict[str, TensorView] | None = None
         self._anchor_manifest: Manifest | None = None
         self._resumed = False
@@ -129,7 +142,13 @@ class Publisher:
             self._resumed = True
             return
         parts = None if self.group is None else [self.part]  # a rank rebuilds its own tensors
-        sub = Subscriber(self.store, workers=self.workers, parts=parts)
+        progress = self.progress
+        sub = Subscriber(
+            self.store,
+            workers=self.workers,
+            parts=parts,
+            progress=None if progress is None else lambda _, n: progress("rebuild", n),
+        )
         try:
             self._rebuild(sub, latest)
         finally:
@@ -139,8 +158,10 @@ class Publisher:
     def _rebuild(self, sub: Subscriber, latest: Latest) -> None:
         log.info("delta_sync.publisher_resume", version=latest.version)
         m = sub.manifest(latest.version)
-        self._prev = {n: view_of(n, a) for n, a in sub.materialize(latest.version).items()}
+        arrays = sub.materialize(latest.version)
+        self._prev = {n: view_of(n, arrays[n]) for n in m.tensors(sub.parts)}  # stored ones
         self._prev_manifest = m
+        self._aliases = m.aliases(sub.parts)
         if m.anchor_version == m.version:
             self._anchor_manifest = m
             if self.catchup:  # its own copy: _prev is advanced in place by the next publish
@@ -149,13 +170,14 @@ class Publisher:
             self._anchor_manifest = sub.manifest(m.anchor_version)
             if self.catchup:
                 arrays = sub.materialize(m.anchor_version)
-                self._anchor = {n: view_of(n, a) for n, a in arrays.items()}
+                self._anchor = {n: view_of(n, arrays[n]) for n in m.tensors(sub.parts)}
 
     def publish(self, version: int, state: Mapping[str, Any]) -> PublishReport:
         t0 = time.perf_counter()
         if not isinstance(version, int) or version < 0:
             raise DeltaSyncError(f"version must be a non-negative int, got {version!r}")
-        views = views_of(state)
+        unique, aliases = split_aliases(state)  # tied tensors are stored once
+        views = views_of(unique)
         first = not self._resumed
         if first:
             self._resume()
@@ -165,6 +187,8 @@ class Publisher:
                 f"cannot publish version {version}: version {last} is already published "
                 "(versions must strictly increase)"
             )
+        if last is not None:
+            check_same_ties(self._aliases, aliases, last)
         # The store is checked (two round trips to an object store) while the version
         # encodes; nothing is committed before the check has passed.
         store_check = self._io.get().submit(self._check_store, version, last)
@@ -207,12 +231,13 @@ class Publisher:
                 payloads.append(payload)
                 reports.append(report)
             store_check.result()
-            part = Part(self.part, tensor_infos(views, digests), payloads)
+            part = Part(self.part, tensor_infos(views, digests), payloads, aliases)
             anchor_version = version if is_anchor else anchor.version  # type: ignore[union-attr]
             manifest = self._commit(version, anchor_version, part)
         except BaseException:
             if self._prev is not None:  # partly advanced: rebuild it from the store next time
                 self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
+                self._aliases = {}
                 self._resumed = False
             raise
         if self._prev is None:
@@ -221,6 +246,7 @@ class Publisher:
             anchor_copy = {n: v.snapshot() for n, v in views.items()} if self.catchup else None
             self._anchor, self._anchor_manifest = anchor_copy, manifest
         self._prev_manifest = manifest
+        self._aliases = aliases
         numel = sum(v.numel for v in views.values())
         report = PublishReport(
             version=version,

@@ -8,6 +8,7 @@ refused. An origin that fails behind a relay answers 502, which HttpStore retrie
 
 from __future__ import annotations
 
+import errno
 import shutil
 import threading
 import urllib.parse
@@ -101,7 +102,15 @@ class StoreServer:
             source = LocalStore(root.resolve())
         self.store = source
         handler = type("Handler", (_Handler,), {"store": source})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            hint = ""
+            if e.errno == errno.EADDRINUSE:
+                hint = ": another process listens there; stop it or pick another port"
+            elif e.errno in (errno.EACCES, errno.EPERM):
+                hint = ": ports below 1024 need privileges; pick a higher one"
+            raise StoreError(f"cannot serve on {host}:{port} ({e.strerror or e}){hint}") from None
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 

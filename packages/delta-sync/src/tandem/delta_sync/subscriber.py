@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from tandem.delta_sync.aliases import bind, restore_aliases
 from tandem.delta_sync.codec.container import shard_digest
 from tandem.delta_sync.codec.patch import StagedPatch, apply_patch, check_targets, stage
 from tandem.delta_sync.dtypes import numpy_dtype
@@ -28,8 +29,7 @@ from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundErr
 from tandem.delta_sync.manifest import Manifest, decode_manifest, manifest_key, read_latest
 from tandem.delta_sync.parallel import KeptPool, default_workers, ordered_map
 from tandem.delta_sync.reports import PullReport
-from tandem.delta_sync.stores.base import Store
-from tandem.delta_sync.tensors import views_of
+from tandem.delta_sync.stores.base import Store, nothing_published
 
 log = structlog.get_logger()
 
@@ -74,8 +74,9 @@ class Prepared:
                 f"{label} was prepared from version {self.from_version} but the subscriber "
                 f"is now at {sub.version}; prepare again"
             )
-        targets = self.manifest.tensors(sub.parts)
-        views = views_of({n: state[n] for n in targets if n in state}, writable=True)
+        stored = self.manifest.tensors(sub.parts)
+        aliases = self.manifest.aliases(sub.parts)
+        views, targets, sources = bind(state, stored, aliases, label)
         check_targets(views, targets, label)
         if self.patch is not None:
             apply_patch(
@@ -85,6 +86,7 @@ class Prepared:
                 chunk_bytes=self.manifest.chunk_bytes,
                 pool=sub._pool.get(),
                 label=f"{label} (from {self.from_version})",
+                sources=sources,
             )
         sub.version = self.version
         sub.clear_cache()
@@ -261,7 +263,7 @@ class Subscriber:
         t0 = time.perf_counter()
         target = self.latest() if version is None else version
         if target is None:
-            raise NotFoundError(f"nothing has been published to {self.store.describe()} yet")
+            raise nothing_published(self.store)
         m = self.manifest(target)
         if self.version is not None and target < self.version:
             raise DeltaSyncError(f"cannot go back from version {self.version} to {target}")
@@ -314,24 +316,32 @@ class Subscriber:
         """prepare + apply in one call."""
         return self.prepare(version).apply(state)
 
-    def materialize(self, version: int | None = None) -> dict[str, np.ndarray]:
-        """A fresh copy of `version` (default: latest) as numpy arrays, from its anchor."""
+    def materialize(self, version: int | None = None, *, as_torch: bool = False) -> dict[str, Any]:
+        """A fresh copy of `version` (default: latest), from its anchor: numpy arrays (bf16
+        and fp8 through ml_dtypes), or with `as_torch` torch tensors, bit for bit. A tied
+        tensor's names are one array (one tensor)."""
         target = self.latest() if version is None else version
         if target is None:
-            raise NotFoundError(f"nothing has been published to {self.store.describe()} yet")
+            raise nothing_published(self.store)
         m = self.manifest(target)
         arrays = {
             n: np.zeros(t.shape, numpy_dtype(t.dtype)) for n, t in m.tensors(self.parts).items()
         }
+        restore_aliases(arrays, m.aliases(self.parts))
         helper = Subscriber(
             self.store,
             workers=self.workers,
             download_workers=self.download_workers,
             parts=self.parts,
+            progress=self.progress,
         )
         helper._manifests = self._manifests
         try:
             helper.prepare(target).apply(arrays)
         finally:
             helper.close()
+        if as_torch:
+            from tandem.delta_sync.torch_interop import to_torch
+
+            return to_torch(arrays)
         return arrays

@@ -21,7 +21,7 @@ from tandem.delta_sync.dtypes import (
     UINT_BY_WIDTH,
     dtype_name_of_numpy,
     numpy_dtype,
-    torch_dtype_name,
+    supported_torch_dtype,
     torch_int_view,
 )
 from tandem.delta_sync.errors import DeltaSyncError
@@ -87,12 +87,34 @@ class HostTensor:
         return self.flat.view(numpy_dtype(self.dtype)).reshape(self.shape)
 
 
+def check_torch_tensor(name: str, t: Any) -> str:
+    """The dtype name of a torch tensor delta-sync can read; one-line errors naming it if not."""
+    device = t.device.type
+    if device == "meta":
+        raise DeltaSyncError(
+            f"tensor {name!r} is on the meta device (a shape without data); load its weights "
+            "first (e.g. module.to_empty(device='cpu'), then load_state_dict) or leave it out"
+        )
+    if device not in ("cpu", "cuda"):
+        raise DeltaSyncError(
+            f"tensor {name!r} is on device {t.device}; delta-sync reads CPU and CUDA tensors: "
+            "move it with .cpu() first"
+        )
+    if getattr(t, "layout", None) is not None and str(t.layout) != "torch.strided":
+        raise DeltaSyncError(
+            f"tensor {name!r} has layout {t.layout}; delta-sync reads dense tensors: "
+            "pass .to_dense() of it"
+        )
+    return supported_torch_dtype(t, name)
+
+
 def view_of(name: str, x: Any, *, writable: bool = False) -> TensorView:
     """Wrap a numpy array or torch tensor; `writable` views must alias the caller's memory."""
     if is_torch_tensor(x):
+        dtype = check_torch_tensor(name, x)
         if x.device.type == "cuda":
             return CudaTensor.wrap(name, x, writable=writable)
-        return _torch_cpu_view(name, x, writable)
+        return _torch_cpu_view(name, x, dtype, writable)
     if isinstance(x, np.ndarray):
         return _numpy_view(name, x, writable)
     raise DeltaSyncError(
@@ -101,7 +123,7 @@ def view_of(name: str, x: Any, *, writable: bool = False) -> TensorView:
 
 
 def _numpy_view(name: str, arr: np.ndarray, writable: bool) -> HostTensor:
-    dtype = dtype_name_of_numpy(arr.dtype)
+    dtype = dtype_name_of_numpy(arr.dtype, name)
     if not arr.flags.c_contiguous or not arr.dtype.isnative:
         if writable:
             raise DeltaSyncError(
@@ -115,9 +137,7 @@ def _numpy_view(name: str, arr: np.ndarray, writable: bool) -> HostTensor:
     return HostTensor(name, dtype, tuple(int(s) for s in arr.shape), flat)
 
 
-def _torch_cpu_view(name: str, t: Any, writable: bool) -> HostTensor:
-    dtype = torch_dtype_name(t)
-    numpy_dtype(dtype)  # validates support with a clear message
+def _torch_cpu_view(name: str, t: Any, dtype: str, writable: bool) -> HostTensor:
     t = t.detach()
     if not t.is_contiguous():
         if writable:

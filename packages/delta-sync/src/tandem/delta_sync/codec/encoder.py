@@ -31,13 +31,17 @@ class EncodeStats:
     base_digests: dict[str, str] = field(default_factory=dict)
 
 
-def check_same_layout(new: Mapping[str, TensorView], base: Mapping[str, TensorView]) -> None:
+def check_same_names(new: Mapping[str, object], base: Mapping[str, object]) -> None:
     if set(new) != set(base):
         added, removed = sorted(set(new) - set(base)), sorted(set(base) - set(new))
         raise DeltaSyncError(
             f"tensor set changed (added {added[:5]}, removed {removed[:5]}); a delta needs the "
             "same tensors as its base: publish into a new store (or prefix) to start over"
         )
+
+
+def check_same_layout(new: Mapping[str, TensorView], base: Mapping[str, TensorView]) -> None:
+    check_same_names(new, base)
     for name, v in new.items():
         b = base[name]
         if v.dtype != b.dtype or tuple(v.shape) != tuple(b.shape):

@@ -196,9 +196,15 @@ def apply_patch(
     chunk_bytes: int,
     pool: ThreadPoolExecutor,
     label: str,
+    sources: Mapping[str, str] | None = None,
 ) -> None:
-    """Patch `views` in place and verify every tensor; on a mismatch undo and raise."""
+    """Patch `views` in place and verify every tensor; on a mismatch undo and raise.
+
+    `sources` names, per view, the stored tensor whose chunks it gets (a tied tensor's
+    alias held as a separate tensor gets its stored name's); default: its own name.
+    """
     check_targets(views, targets, label)
+    src = sources or {}
     tasks: list[tuple[str, int, int, int]] = []
     hashes: dict[str, list[bytes]] = {}
     for name in targets:
@@ -211,7 +217,7 @@ def apply_patch(
     def work(task: tuple[str, int, int, int]):
         name, c, start, stop = task
         view = views[name]
-        ops = patch.ops.get((name, c))
+        ops = patch.ops.get((src.get(name, name), c))
         streams = [op.sparse for op in ops or [] if op.sparse is not None]
         if ops and isinstance(view, HostTensor) and len(streams) == len(ops):
             # the common case: patched and hashed part by part, read from memory once
@@ -251,7 +257,7 @@ def apply_patch(
     list(
         ordered_map(
             pool,
-            lambda d: _undo(views[d[0]], d[2], d[3], patch.ops[(d[0], d[1])], d[4]),
+            lambda d: _undo(views[d[0]], d[2], d[3], patch.ops[(src.get(d[0], d[0]), d[1])], d[4]),
             done,
             64,
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 
-from tandem.delta_sync.errors import StoreError
+from tandem.delta_sync.errors import NotFoundError, StoreError
 
 _KEY = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
@@ -43,6 +43,11 @@ class Store(ABC):
     def describe(self) -> str:
         """Where this store points, for messages (e.g. 's3://bucket/prefix')."""
 
+    def missing(self) -> str | None:
+        """Why the store itself is not there (e.g. its directory does not exist), if it can
+        tell without a request; None otherwise."""
+        return None
+
     def _read_only_error(self, key: str) -> StoreError:
         return StoreError(
             f"{self.describe()} is read-only; cannot write {key!r} (publish to the origin store)"
@@ -50,3 +55,11 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()!r})"
+
+
+def nothing_published(store: Store) -> NotFoundError:
+    """The error for a store without a `latest` pointer: empty, or not there at all."""
+    why = store.missing()
+    if why is not None:
+        return NotFoundError(why)
+    return NotFoundError(f"nothing has been published to {store.describe()} yet")

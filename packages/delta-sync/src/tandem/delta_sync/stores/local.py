@@ -29,6 +29,16 @@ class LocalStore(Store):
     def describe(self) -> str:
         return str(self.root)
 
+    def missing(self) -> str | None:
+        if self.root.is_dir():
+            return None
+        if self.root.exists():
+            return f"store {self.root} is not a directory (a store is a directory of versions)"
+        return (
+            f"store directory {self.root} does not exist (check the path); nothing has been "
+            "published there"
+        )
+
     def path(self, key: str) -> Path:
         return self.root / check_key(key)
 
