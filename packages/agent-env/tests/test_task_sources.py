@@ -16,7 +16,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tandem.agent_env import EnvConfig, OraclePolicy, SandboxError, run_episodes, submit_at_once
+from tandem.agent_env import (
+    EnvConfig,
+    OraclePolicy,
+    SandboxError,
+    TaskFileError,
+    run_episodes,
+    submit_at_once,
+)
 from tandem.agent_env.tasks.patch import apply_patch
 from tandem.agent_env.tasks.stdlib import stdlib_tasks
 from tandem.agent_env.tasks.swebench import load_tasks
@@ -200,8 +207,8 @@ def test_swebench_pytest_records_with_a_bound_site_packages(
 def test_bad_records_explain_what_is_wrong(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"instance_id": "x", "problem_statement": "p"}) + "\n")
-    with pytest.raises(SandboxError, match=r"bad.jsonl:1: missing field\(s\)"):
+    with pytest.raises(TaskFileError, match=r"bad.jsonl:1: missing field\(s\)"):
         load_tasks(path)
     path.write_text("{not json\n")
-    with pytest.raises(SandboxError, match="not valid JSON"):
+    with pytest.raises(TaskFileError, match=r"bad\.jsonl:1: not valid JSON"):
         load_tasks(path)

@@ -8,9 +8,11 @@ from importlib.metadata import version as _version
 
 from tandem.agent_env.config import EnvConfig, SandboxConfig, SandboxLimits
 from tandem.agent_env.env import Env
-from tandem.agent_env.errors import SandboxError
+from tandem.agent_env.errors import PolicyError, SandboxError, TaskFileError
 from tandem.agent_env.grading import GradeResult
+from tandem.agent_env.openai_policy import OpenAIPolicy
 from tandem.agent_env.oracle import OraclePolicy, oracle_script, submit_at_once
+from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION
 from tandem.agent_env.rollout import Policy, run_episode, run_episodes
 from tandem.agent_env.task import HiddenTests, ReferenceEdit, Task, TaskLimits
 from tandem.agent_env.tasks.generate import check_task_family, generate_tasks
@@ -30,13 +32,16 @@ from tandem.agent_env.trajectory import (
 __version__ = _version("tandem-agent-env")
 
 __all__ = [
+    "TEXT_ANSWER_OBSERVATION",
     "Env",
     "EnvConfig",
     "GradeResult",
     "HiddenTests",
     "Observation",
+    "OpenAIPolicy",
     "OraclePolicy",
     "Policy",
+    "PolicyError",
     "ReferenceEdit",
     "SandboxConfig",
     "SandboxError",
@@ -44,6 +49,7 @@ __all__ = [
     "StepRecord",
     "StepResult",
     "Task",
+    "TaskFileError",
     "TaskLimits",
     "ToolCall",
     "Trajectory",

@@ -12,6 +12,7 @@ import structlog
 from tandem.agent_env.config import EnvConfig
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.grading import GradeResult, grade
+from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION, to_turn
 from tandem.agent_env.sandbox.runtime import Runtime
 from tandem.agent_env.sandbox.session import Session, SessionLost, os_signal_name
 from tandem.agent_env.task import Task
@@ -181,78 +182,124 @@ class Env:
     # -- episode -------------------------------------------------------------------------
 
     @staticmethod
-    def _normalise(call: ToolCall | dict[str, Any]) -> ToolCall:
-        if isinstance(call, ToolCall):
-            return call
-        if isinstance(call, dict):
-            fn = call.get("function", call)
-            if not isinstance(fn, dict):
-                fn = {}
-            return ToolCall(
-                name=fn.get("name") if isinstance(fn.get("name"), str) else repr(fn.get("name")),
-                arguments=fn.get("arguments", "{}"),
-                id=str(call.get("id") or ""),
-                content=call.get("content") if isinstance(call.get("content"), str) else None,
-            )
-        return ToolCall(name=repr(type(call).__name__), arguments="{}")
+    def _arguments_text(raw: Any) -> str:
+        """The call's arguments as the assistant message keeps them (JSON text)."""
+        if isinstance(raw, bytes):
+            return raw.decode("utf-8", "replace")
+        if isinstance(raw, str):
+            return raw.encode("utf-8", "replace").decode("utf-8")
+        return json.dumps(raw, ensure_ascii=False, default=str)
 
-    async def step(self, tool_call: ToolCall | dict[str, Any]) -> StepResult:
-        """Execute one tool call; when the episode ends, grade it and return the reward."""
+    def _call_ids(self, calls: tuple[ToolCall, ...]) -> list[str]:
+        """The calls' own ids, or fresh ones where missing or repeated within the turn."""
+        base = f"call_{self._call_prefix}{self.turn:03d}"
+        ids: list[str] = []
+        for i, c in enumerate(calls):
+            ids.append(c.id if c.id and c.id not in ids else base + (f"_{i + 1}" if i else ""))
+        return ids
+
+    async def _run_call(self, call: ToolCall) -> tuple[Observation, dict[str, Any], str]:
+        """Validate and run one call: (observation, info, infra error or "")."""
+        try:
+            args = parse_call(call.name, call.arguments)
+        except ToolCallError as e:
+            return Observation(f"error: {e}", True), {"malformed": True}, ""
+        try:
+            obs, info = await self._dispatch(call.name, args)
+        except SessionLost as e:
+            obs, infra_error = await self._recover(str(e))
+            return obs, {}, infra_error
+        return obs, info, ""
+
+    async def step(self, reply: Any) -> StepResult:
+        """Play one assistant turn; when the episode ends, grade it and return the reward.
+
+        ``reply`` is what a policy returns (see `tandem.agent_env.replies`): a `ToolCall`,
+        an OpenAI tool call or assistant message (dict or SDK object), a list of calls, or a
+        str. A turn is one assistant message, however many calls it makes: it counts once
+        against ``max_turns``. Its calls run in order, each answered by its own ``tool``
+        message (``observations``, one per call; ``observation`` is the last one that ran).
+        After a ``submit``, a lost sandbox or the end of the time budget, the turn's later
+        calls are not run; each is answered "not run: ...". A text-only answer costs the
+        turn and is answered by `TEXT_ANSWER_OBSERVATION` as a ``user`` message. Anything
+        else raises ``TypeError`` and changes nothing.
+        """
         if self._session is None or self.done:
             raise SandboxError(
                 "step() called on an episode that is not running: call reset() first"
             )
         t0 = time.monotonic()
-        call = self._normalise(tool_call)
-        call_id = call.id or f"call_{self._call_prefix}{self.turn + 1:03d}"
-        raw = call.arguments
-        if isinstance(raw, bytes):
-            raw_text = raw.decode("utf-8", "replace")
-        elif isinstance(raw, str):
-            raw_text = raw.encode("utf-8", "replace").decode("utf-8")
-        else:
-            raw_text = json.dumps(raw, ensure_ascii=False, default=str)
+        turn = to_turn(reply)
         self.turn += 1
-        self.messages.append(
-            {
-                "role": "assistant",
-                "content": call.content,
-                "tool_calls": [
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": raw_text},
-                    }
-                ],
-            }
-        )
-        info: dict[str, Any] = {}
-        infra_error = ""
-        try:
-            args = parse_call(call.name, call.arguments)
-        except ToolCallError as e:
-            obs = Observation(f"error: {e}", True)
-            info["malformed"] = True
+        ids = self._call_ids(turn.calls)
+        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+        if turn.calls:
+            message["tool_calls"] = [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": self._arguments_text(c.arguments)},
+                }
+                for c, call_id in zip(turn.calls, ids, strict=True)
+            ]
         else:
-            try:
-                obs, info = await self._dispatch(call.name, args)
-            except SessionLost as e:
-                obs, infra_error = await self._recover(str(e))
-        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": obs.content})
-        self.steps.append(
-            StepRecord(
-                self.turn, call.name, obs.is_error, time.monotonic() - t0, info, dict(call.metadata)
+            message["content"] = turn.content or ""
+        self.messages.append(message)
+        if not turn.calls:
+            obs, info = Observation(TEXT_ANSWER_OBSERVATION, True), {"text_answer": True}
+            self.messages.append({"role": "user", "content": obs.content})
+            self.steps.append(StepRecord(self.turn, "", True, time.monotonic() - t0, info))
+            return await self._end_turn(obs, info, [obs], "", submitted=False)
+        observations: list[Observation] = []
+        last, last_info = Observation(""), {}  # the last call that ran (the first always runs)
+        stopped = infra_error = ""
+        submitted = False
+        for i, (call, call_id) in enumerate(zip(turn.calls, ids, strict=True)):
+            t1 = time.monotonic()
+            if not stopped and i and self._remaining() <= 0:
+                stopped = "the episode's time budget ran out"
+            if stopped:
+                obs = Observation(f"not run: {stopped} before this call", True)
+                info = {"not_run": True}
+            else:
+                obs, info, infra_error = await self._run_call(call)
+                last, last_info = obs, info
+                if infra_error:
+                    stopped = "the sandbox was lost"
+                elif call.name == "submit" and not obs.is_error and not info.get("malformed"):
+                    submitted, stopped = True, "submit ended the episode"
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": obs.content})
+            self.steps.append(
+                StepRecord(
+                    self.turn,
+                    call.name,
+                    obs.is_error,
+                    time.monotonic() - t1,
+                    info,
+                    dict(call.metadata),
+                )
             )
-        )
+            observations.append(obs)
+        return await self._end_turn(last, last_info, observations, infra_error, submitted)
+
+    async def _end_turn(
+        self,
+        obs: Observation,
+        info: dict[str, Any],
+        observations: list[Observation],
+        infra_error: str,
+        submitted: bool,
+    ) -> StepResult:
+        seen = tuple(observations)
         if infra_error:
-            return await self._finish("infra_fault", obs, infra=infra_error)
-        if call.name == "submit" and not obs.is_error and not info.get("malformed"):
-            return await self._finish("submitted", obs)
+            return await self._finish("infra_fault", obs, seen, infra=infra_error)
+        if submitted:
+            return await self._finish("submitted", obs, seen)
         if self.turn >= self.max_turns:
-            return await self._finish("turn_limit", obs)
+            return await self._finish("turn_limit", obs, seen)
         if self._remaining() <= 0:
-            return await self._finish("wall_limit", obs)
-        return StepResult(obs, False, None, info)
+            return await self._finish("wall_limit", obs, seen)
+        return StepResult(obs, False, None, info, seen)
 
     async def _recover(self, reason: str) -> tuple[Observation, str]:
         """The supervisor died mid-call: restart it over the same workspace if we can."""
@@ -270,7 +317,13 @@ class Env:
         )
         return Observation(text, True), ""
 
-    async def _finish(self, reason: str, obs: Observation, infra: str = "") -> StepResult:
+    async def _finish(
+        self,
+        reason: str,
+        obs: Observation,
+        observations: tuple[Observation, ...] = (),
+        infra: str = "",
+    ) -> StepResult:
         assert self._session is not None
         self.done = True
         self.termination = reason
@@ -297,7 +350,7 @@ class Env:
         if r.detail:
             info["grade_detail"] = r.detail
         await self._session.discard()
-        return StepResult(obs, True, r.reward, info)
+        return StepResult(obs, True, r.reward, info, observations or (obs,))
 
     def trajectory(self) -> Trajectory:
         r = self.result

@@ -11,19 +11,24 @@ import msgspec
 
 
 class Observation(msgspec.Struct, frozen=True):
-    """What the agent sees after a call (the content of the ``tool`` message)."""
+    """What the agent sees after a call (the content of the ``tool`` message), or after a
+    text-only answer (the ``user`` message that answers it)."""
 
     content: str
     is_error: bool = False
 
 
 class StepResult(msgspec.Struct, frozen=True):
-    """Result of ``Env.step``: ``reward`` is set only when ``done`` (None on infra faults)."""
+    """Result of ``Env.step`` (one turn): ``reward`` is set only when ``done`` (None on infra
+    faults). ``observations`` holds one per tool call of the turn, in order (the text-answer
+    observation for a turn without calls); ``observation`` is that of the last call that ran.
+    """
 
     observation: Observation
     done: bool
     reward: float | None = None
     info: dict[str, Any] = {}
+    observations: tuple[Observation, ...] = ()
 
 
 class StepRecord(msgspec.Struct):
