@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from tandem.grpo.batch import RolloutBatch
+from tandem.grpo.config import GRPOConfig
 from tandem.grpo.errors import GRPOError
+from tandem.grpo.kl import kl_penalized_rewards
+from tandem.grpo.numerics import as_float
 
 
 def group_index(
@@ -105,3 +109,34 @@ def nonconstant_groups(
     low = big.scatter_reduce(0, index, r, reduce="amin")
     high = (-big).scatter_reduce(0, index, r, reduce="amax")
     return (high > low)[index]
+
+
+def batch_advantages(batch: RolloutBatch, cfg: GRPOConfig) -> torch.Tensor:
+    """Advantages [B] of a step's batch: given ones, or group advantages of its rewards
+    (minus the KL penalty when it is placed in the reward)."""
+    if batch.advantages is not None:
+        adv = as_float(batch.advantages)
+    else:
+        rewards = as_float(batch.rewards)
+        if cfg.kl_coef > 0 and cfg.kl_placement == "reward":
+            if batch.ref_logprobs is None:
+                raise GRPOError("kl_placement='reward' with kl_coef > 0 needs ref_logprobs")
+            rewards = kl_penalized_rewards(
+                rewards,
+                batch.rollout_logprobs,
+                batch.ref_logprobs,
+                batch.loss_mask,
+                cfg.kl_coef,
+                cfg.kl_estimator,
+                cfg.log_ratio_clamp,
+            )
+        adv = group_advantages(
+            rewards,
+            group_ids=batch.group_ids,
+            std_normalize=cfg.std_normalize,
+            leave_one_out=cfg.leave_one_out,
+            eps=cfg.std_eps,
+        )
+    if not torch.isfinite(adv).all():
+        raise GRPOError("advantages contain inf/NaN; check rewards and batch.advantages")
+    return adv

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.grpo.aggregation import LossNormalizer
+
 
 class MetricSums:
     """Named running sums and maxima of 0-d tensors, kept on device until `reduce`."""
@@ -47,3 +49,64 @@ class MetricSums:
         if maxes is not None:
             out.update(zip(max_names, max_fn(maxes).tolist(), strict=True))
         return out
+
+
+# Token-mean metrics of `policy_loss` / `importance_weights` accumulated as mean x tokens.
+TOKEN_MEANS = (
+    "clip_frac",
+    "clip_frac_low",
+    "clip_frac_high",
+    "dual_clip_frac",
+    "ratio_mean",
+    "kl",
+    "entropy",
+    "is_weight_mean",
+    "is_clipped_frac",
+    "mismatch_k3",
+    "nonfinite_logprob_frac",
+)
+MAXED = ("ratio_max", "is_weight_max", "staleness_max")
+SUMMED = (
+    "loss",
+    "pg_loss",
+    "tokens",
+    "reward_sum",
+    "staleness_sum",
+    "is_w_sq",
+    "adv_abs_sum",
+    *TOKEN_MEANS,
+)
+"""Every sum a step accumulates (reduced over processes in one collective)."""
+
+
+def step_metrics(
+    raw: dict[str, float],
+    normalizer: LossNormalizer,
+    groups: float,
+    groups_kept: float,
+    all_seqs: float,
+    applied: tuple[float, bool] | None,
+    lr: float,
+) -> dict[str, float]:
+    """A step's metrics from its reduced sums and maxima: token means over the global batch,
+    the importance weights' effective sample size, and the step's own figures."""
+    n = max(raw["tokens"], 1.0)
+    metrics = {"loss": raw["loss"], "pg_loss": raw["pg_loss"]}
+    metrics.update({name: raw[name] / n for name in TOKEN_MEANS})
+    w_sum = raw["is_weight_mean"]  # a sum of weights until divided below
+    metrics["is_ess"] = w_sum**2 / (n * raw["is_w_sq"]) if raw["is_w_sq"] > 0 else 0.0
+    metrics.update({name: raw[name] for name in MAXED})
+    grad_norm, step_applied = applied if applied is not None else (0.0, False)
+    metrics.update(
+        grad_norm=grad_norm,
+        step_applied=float(step_applied),
+        lr=lr,
+        tokens=raw["tokens"],
+        sequences=normalizer.total_sequences,
+        groups=groups,
+        groups_kept=groups_kept,
+        reward_mean=raw["reward_sum"] / max(all_seqs, 1.0),
+        advantage_abs_mean=raw["adv_abs_sum"] / max(normalizer.total_sequences, 1.0),
+        staleness_mean=raw["staleness_sum"] / max(all_seqs, 1.0),
+    )
+    return metrics

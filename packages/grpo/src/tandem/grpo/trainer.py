@@ -29,14 +29,13 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import structlog
 import torch
 
-from tandem.grpo.advantages import group_advantages, nonconstant_groups
+from tandem.grpo.advantages import batch_advantages, nonconstant_groups
 from tandem.grpo.aggregation import LossNormalizer
 from tandem.grpo.batch import (
     ForwardFn,
@@ -46,31 +45,16 @@ from tandem.grpo.batch import (
     group_owners,
 )
 from tandem.grpo.config import GRPOConfig
+from tandem.grpo.data_parallel import add_grads, fsdp_no_sync
 from tandem.grpo.errors import GRPOError
 from tandem.grpo.importance import importance_weights
-from tandem.grpo.kl import kl_estimate, kl_penalized_rewards
+from tandem.grpo.kl import kl_estimate
 from tandem.grpo.loss import policy_loss
-from tandem.grpo.metrics import MetricSums
+from tandem.grpo.metrics import MAXED, SUMMED, MetricSums, step_metrics
 from tandem.grpo.numerics import as_float
 from tandem.grpo.sharded_norm import clip_sharded_grads
 
 log = structlog.get_logger()
-
-# Token-mean metrics of `policy_loss` / `importance_weights` accumulated as mean x tokens.
-_TOKEN_MEANS = (
-    "clip_frac",
-    "clip_frac_low",
-    "clip_frac_high",
-    "dual_clip_frac",
-    "ratio_mean",
-    "kl",
-    "entropy",
-    "is_weight_mean",
-    "is_clipped_frac",
-    "mismatch_k3",
-    "nonfinite_logprob_frac",
-)
-_MAXES = ("ratio_max", "is_weight_max", "staleness_max")
 
 
 class GRPOStep:
@@ -147,35 +131,6 @@ class GRPOStep:
     def _distributed(self) -> bool:
         return self.accelerator.num_processes > 1
 
-    def _advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        cfg = self.config
-        if batch.advantages is not None:
-            adv = as_float(batch.advantages)
-        else:
-            rewards = as_float(batch.rewards)
-            if cfg.kl_coef > 0 and cfg.kl_placement == "reward":
-                if batch.ref_logprobs is None:
-                    raise GRPOError("kl_placement='reward' with kl_coef > 0 needs ref_logprobs")
-                rewards = kl_penalized_rewards(
-                    rewards,
-                    batch.rollout_logprobs,
-                    batch.ref_logprobs,
-                    batch.loss_mask,
-                    cfg.kl_coef,
-                    cfg.kl_estimator,
-                    cfg.log_ratio_clamp,
-                )
-            adv = group_advantages(
-                rewards,
-                group_ids=batch.group_ids,
-                std_normalize=cfg.std_normalize,
-                leave_one_out=cfg.leave_one_out,
-                eps=cfg.std_eps,
-            )
-        if not torch.isfinite(adv).all():
-            raise GRPOError("advantages contain inf/NaN; check rewards and batch.advantages")
-        return adv
-
     def _forward(self, micro: RolloutBatch) -> ForwardOutput:
         with self.accelerator.autocast():
             out = self.forward_fn(self.model, micro)
@@ -224,7 +179,7 @@ class GRPOStep:
         if batch.num_sequences == 0:
             raise GRPOError("empty batch: every process needs at least one trajectory")
         batch = batch.to(self.device)
-        adv = self._advantages(batch)
+        adv = batch_advantages(batch, self.config)
         if cfg.skip_equal_reward_groups:
             keep = nonconstant_groups(batch.rewards, group_ids=batch.group_ids)
         else:
@@ -286,7 +241,7 @@ class GRPOStep:
         if last:
             return nullcontext()
         if self.fsdp and hasattr(self.model, "set_requires_gradient_sync"):
-            return _fsdp_no_sync(self.model)
+            return fsdp_no_sync(self.model)
         return self.accelerator.no_sync(self.model)
 
     def _step_as_shards(
@@ -310,7 +265,7 @@ class GRPOStep:
             for chunk in rows.split(self.config.micro_batch_size):
                 self._micro_step(batch.select(chunk), adv[chunk], normalizer, 1.0, sums)
             for i, p in enumerate(params):
-                total[i] = _add_grads(total[i], p.grad)
+                total[i] = add_grads(total[i], p.grad)
         for p, g in zip(params, total, strict=True):
             p.grad = g
         return self._apply(shards)
@@ -411,37 +366,9 @@ class GRPOStep:
         all_seqs: float,
         applied: tuple[float, bool] | None,
     ) -> dict[str, float]:
-        sum_names = [
-            "loss",
-            "pg_loss",
-            "tokens",
-            "reward_sum",
-            "staleness_sum",
-            "is_w_sq",
-            "adv_abs_sum",
-            *_TOKEN_MEANS,
-        ]
-        raw = sums.reduce(self._sum, self._max, sum_names, list(_MAXES))
-        n = max(raw["tokens"], 1.0)
-        metrics = {"loss": raw["loss"], "pg_loss": raw["pg_loss"]}
-        metrics.update({name: raw[name] / n for name in _TOKEN_MEANS})
-        w_sum = raw["is_weight_mean"]  # a sum of weights until divided below
-        metrics["is_ess"] = w_sum**2 / (n * raw["is_w_sq"]) if raw["is_w_sq"] > 0 else 0.0
-        metrics.update({name: raw[name] for name in _MAXES})
-        grad_norm, step_applied = applied if applied is not None else (0.0, False)
-        metrics.update(
-            grad_norm=grad_norm,
-            step_applied=float(step_applied),
-            lr=float(self.optimizer.param_groups[0]["lr"]),
-            tokens=raw["tokens"],
-            sequences=normalizer.total_sequences,
-            groups=groups,
-            groups_kept=groups_kept,
-            reward_mean=raw["reward_sum"] / max(all_seqs, 1.0),
-            advantage_abs_mean=raw["adv_abs_sum"] / max(normalizer.total_sequences, 1.0),
-            staleness_mean=raw["staleness_sum"] / max(all_seqs, 1.0),
-        )
-        return metrics
+        raw = sums.reduce(self._sum, self._max, SUMMED, list(MAXED))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        return step_metrics(raw, normalizer, groups, groups_kept, all_seqs, applied, lr)
 
 
 def __getattr__(name: str) -> Any:
@@ -458,21 +385,3 @@ def _deprecated_alias_message(module: str) -> str:
         f"use {module}.GRPOStep, the same class (renamed because TRL's GRPOTrainer generates "
         "and trains from a dataset, while this class takes one optimizer step on given rollouts)"
     )
-
-
-@contextmanager
-def _fsdp_no_sync(model: Any) -> Iterator[None]:
-    """FSDP2's counterpart of DDP's ``no_sync``: accumulate unsharded gradients locally."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def _add_grads(total: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
-    """total + grad as an all-reduce adds them: a process without a gradient adds zeros."""
-    if grad is None:
-        return None if total is None else total + torch.zeros_like(total)
-    grad = grad.detach()
-    return (torch.zeros_like(grad) if total is None else total) + grad
