@@ -1,4 +1,5 @@
-"""Shared fixtures: tight sandbox limits so hostile commands end fast, and a leak check."""
+"""Shared fixtures: tight sandbox limits so hostile commands end fast, a one-file task, and a
+leak check."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tandem.agent_env import EnvConfig, SandboxConfig, SandboxLimits
+from tandem.agent_env import EnvConfig, HiddenTests, SandboxConfig, SandboxLimits, Task
 from tandem.agent_env.config import MiB
 from tandem.agent_env.sandbox.runtime import Runtime
 
@@ -27,6 +28,25 @@ CONFIG = EnvConfig(sandbox=SandboxConfig(limits=LIMITS), grade_timeout_s=30.0)
 @pytest.fixture
 def config() -> EnvConfig:
     return CONFIG
+
+
+@pytest.fixture
+def add_task() -> Task:
+    """A one-file task: `add` subtracts; one hidden test asks for 2 + 3 == 5."""
+    return Task(
+        id="add",
+        instruction="`add(2, 3)` returns -1; it should return 5. Fix calc.py.",
+        files={"calc.py": "def add(a, b):\n    return a - b\n", "tests/__init__.py": ""},
+        hidden_tests=HiddenTests(
+            fail_to_pass=("tests.test_hidden.H.test_add",),
+            files={
+                "tests/test_hidden.py": (
+                    "import unittest\nfrom calc import add\n\n\nclass H(unittest.TestCase):\n"
+                    "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
+                )
+            },
+        ),
+    )
 
 
 def live_episode_state() -> dict[str, list[str]]:

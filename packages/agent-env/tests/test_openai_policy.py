@@ -15,27 +15,11 @@ import pytest
 from tandem.agent_env import (
     TEXT_ANSWER_OBSERVATION,
     EnvConfig,
-    HiddenTests,
     OpenAIPolicy,
     PolicyError,
     Task,
     run_episodes,
     tool_schemas,
-)
-
-TASK = Task(
-    id="add",
-    instruction="`add(2, 3)` returns -1; it should return 5. Fix calc.py.",
-    files={"calc.py": "def add(a, b):\n    return a - b\n", "tests/__init__.py": ""},
-    hidden_tests=HiddenTests(
-        fail_to_pass=("tests.test_hidden.H.test_add",),
-        files={
-            "tests/test_hidden.py": (
-                "import unittest\nfrom calc import add\n\n\nclass H(unittest.TestCase):\n"
-                "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
-            )
-        },
-    ),
 )
 
 
@@ -106,7 +90,7 @@ def _call(call_id: str, name: str, **args: Any) -> dict[str, Any]:
 
 
 def test_an_endpoint_plays_an_episode_with_calls_several_calls_and_text(
-    server: FakeServer, config: EnvConfig
+    server: FakeServer, config: EnvConfig, add_task: Task
 ) -> None:
     fix = {"path": "calc.py", "old_string": "a - b", "new_string": "a + b"}
     server.reply(
@@ -121,7 +105,7 @@ def test_an_endpoint_plays_an_episode_with_calls_several_calls_and_text(
     policy = OpenAIPolicy(
         server.base_url + "/", "tiny-model", api_key="sk-test", temperature=0.5, max_tokens=99
     )
-    (traj,) = asyncio.run(run_episodes(policy, [TASK], concurrency=1, config=config))
+    (traj,) = asyncio.run(run_episodes(policy, [add_task], concurrency=1, config=config))
     assert traj.reward == 1.0 and traj.termination == "submitted" and traj.turns == 3
     assert [r["path"] for r in server.requests] == ["/v1/chat/completions"] * 3
 
@@ -131,7 +115,7 @@ def test_an_endpoint_plays_an_episode_with_calls_several_calls_and_text(
     assert body["model"] == "tiny-model" and body["tools"] == tool_schemas()
     assert body["temperature"] == 0.5 and body["max_tokens"] == 99
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
-    assert body["messages"][1]["content"] == TASK.instruction
+    assert body["messages"][1]["content"] == add_task.instruction
 
     second = server.requests[1]["body"]["messages"]
     assert [m["role"] for m in second] == ["system", "user", "assistant", "tool", "tool"]
@@ -194,11 +178,11 @@ def test_timeouts_and_unreachable_servers(server: FakeServer) -> None:
 
 
 def test_an_endpoint_failure_faults_the_episode_with_the_reason(
-    server: FakeServer, config: EnvConfig
+    server: FakeServer, config: EnvConfig, add_task: Task
 ) -> None:
     server.raw(503, b"overloaded")
     (traj,) = asyncio.run(
-        run_episodes(OpenAIPolicy(server.base_url, "m"), [TASK], concurrency=1, config=config)
+        run_episodes(OpenAIPolicy(server.base_url, "m"), [add_task], concurrency=1, config=config)
     )
     assert traj.termination == "policy_error" and traj.infra_fault and traj.reward is None
     assert "PolicyError" in traj.grade_detail and "HTTP 503" in traj.grade_detail

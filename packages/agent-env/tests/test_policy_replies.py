@@ -18,7 +18,6 @@ from tandem.agent_env import (
     TEXT_ANSWER_OBSERVATION,
     Env,
     EnvConfig,
-    HiddenTests,
     Task,
     TaskLimits,
     ToolCall,
@@ -26,20 +25,6 @@ from tandem.agent_env import (
     run_episodes,
 )
 
-TASK = Task(
-    id="add",
-    instruction="`add(2, 3)` returns -1; it should return 5. Fix calc.py.",
-    files={"calc.py": "def add(a, b):\n    return a - b\n", "tests/__init__.py": ""},
-    hidden_tests=HiddenTests(
-        fail_to_pass=("tests.test_hidden.H.test_add",),
-        files={
-            "tests/test_hidden.py": (
-                "import unittest\nfrom calc import add\n\n\nclass H(unittest.TestCase):\n"
-                "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
-            )
-        },
-    ),
-)
 FIX = {"path": "calc.py", "old_string": "a - b", "new_string": "a + b"}
 BREAK = {"path": "calc.py", "old_string": "a + b", "new_string": "a * b"}
 
@@ -99,11 +84,11 @@ async def _play(task: Task, config: EnvConfig, replies: list[Any]) -> tuple[list
     return results, env
 
 
-def play(replies: list[Any], config: EnvConfig, task: Task = TASK) -> tuple[list, Env]:
+def play(replies: list[Any], config: EnvConfig, task: Task) -> tuple[list, Env]:
     return asyncio.run(_play(task, config, replies))
 
 
-def test_sdk_tool_call_objects_run_as_tool_calls(config: EnvConfig) -> None:
+def test_sdk_tool_call_objects_run_as_tool_calls(config: EnvConfig, add_task: Task) -> None:
     """The defect: an SDK tool-call object was an 'unknown tool' for the agent."""
     res, env = play(
         [
@@ -111,6 +96,7 @@ def test_sdk_tool_call_objects_run_as_tool_calls(config: EnvConfig) -> None:
             ChatCompletionMessage(content="done", tool_calls=[sdk_call("call_b", "submit")]),
         ],
         config,
+        add_task,
     )
     assert not res[0].observation.is_error, res[0].observation.content
     assert res[-1].done and res[-1].reward == 1.0
@@ -126,7 +112,7 @@ def test_sdk_tool_call_objects_run_as_tool_calls(config: EnvConfig) -> None:
 
 
 def test_several_calls_in_one_turn_run_in_order_one_observation_each(
-    config: EnvConfig,
+    config: EnvConfig, add_task: Task
 ) -> None:
     message = {
         "role": "assistant",
@@ -138,7 +124,7 @@ def test_several_calls_in_one_turn_run_in_order_one_observation_each(
         ],
     }
     pair = [ToolCall("bash", '{"command": "echo x"}', metadata={"k": 1}), ToolCall("run_tests")]
-    res, env = play([message, pair], config)
+    res, env = play([message, pair], config, add_task)
     first, second = res
     assert [o.content for o in first.observations] == [
         "wrote 6 bytes to a.txt",
@@ -169,8 +155,10 @@ def test_several_calls_in_one_turn_run_in_order_one_observation_each(
     assert "three at once" in render_text(traj)
 
 
-def test_a_turn_is_one_assistant_message_however_many_calls(config: EnvConfig) -> None:
-    task = msgspec.structs.replace(TASK, limits=TaskLimits(max_turns=2))
+def test_a_turn_is_one_assistant_message_however_many_calls(
+    config: EnvConfig, add_task: Task
+) -> None:
+    task = msgspec.structs.replace(add_task, limits=TaskLimits(max_turns=2))
     three = [ToolCall("bash", json.dumps({"command": f"echo {i}"})) for i in range(3)]
     res, env = play([three, three, three], config, task)
     assert len(res) == 2 and not res[0].done and res[1].done
@@ -179,7 +167,7 @@ def test_a_turn_is_one_assistant_message_however_many_calls(config: EnvConfig) -
     assert traj.termination == "turn_limit" and traj.turns == 2 and len(traj.steps) == 6
 
 
-def test_calls_after_submit_in_the_same_turn_are_not_run(config: EnvConfig) -> None:
+def test_calls_after_submit_in_the_same_turn_are_not_run(config: EnvConfig, add_task: Task) -> None:
     res, env = play(
         [
             [
@@ -189,6 +177,7 @@ def test_calls_after_submit_in_the_same_turn_are_not_run(config: EnvConfig) -> N
             ]
         ],
         config,
+        add_task,
     )
     (r,) = res
     assert r.done and r.reward == 1.0 and r.info["termination"] == "submitted"
@@ -201,8 +190,8 @@ def test_calls_after_submit_in_the_same_turn_are_not_run(config: EnvConfig) -> N
     assert [s.info.get("not_run", False) for s in traj.steps] == [False, False, True]
 
 
-def test_calls_after_the_time_budget_ran_out_are_not_run(config: EnvConfig) -> None:
-    task = msgspec.structs.replace(TASK, limits=TaskLimits(episode_wall_s=0.5))
+def test_calls_after_the_time_budget_ran_out_are_not_run(config: EnvConfig, add_task: Task) -> None:
+    task = msgspec.structs.replace(add_task, limits=TaskLimits(episode_wall_s=0.5))
     slow = [ToolCall("bash", '{"command": "sleep 0.7"}'), ToolCall("edit", json.dumps(FIX))]
     (r,), _ = play([slow], config, task)
     assert r.done and r.info["termination"] == "wall_limit" and r.reward == 0.0
@@ -211,7 +200,7 @@ def test_calls_after_the_time_budget_ran_out_are_not_run(config: EnvConfig) -> N
 
 
 def test_a_text_answer_gets_a_documented_observation_and_costs_the_turn(
-    config: EnvConfig,
+    config: EnvConfig, add_task: Task
 ) -> None:
     text_reply = {"role": "assistant", "content": "The bug is in add.", "tool_calls": None}
     res, env = play(
@@ -222,6 +211,7 @@ def test_a_text_answer_gets_a_documented_observation_and_costs_the_turn(
             ToolCall("submit"),
         ],
         config,
+        add_task,
     )
     assert [r.observation.content for r in res[:3]] == [TEXT_ANSWER_OBSERVATION] * 3
     assert all(r.observation.is_error and not r.done for r in res[:3])
@@ -236,7 +226,7 @@ def test_a_text_answer_gets_a_documented_observation_and_costs_the_turn(
         f"<assistant>\nI will look at calc.py first.\n\n<user>\n{TEXT_ANSWER_OBSERVATION}" in text
     )
 
-    task = msgspec.structs.replace(TASK, limits=TaskLimits(max_turns=1))
+    task = msgspec.structs.replace(add_task, limits=TaskLimits(max_turns=1))
     (last,), env = play(["no tools for me"], config, task)
     assert last.done and last.reward == 0.0 and env.trajectory().termination == "turn_limit"
 
@@ -253,10 +243,10 @@ def test_a_text_answer_gets_a_documented_observation_and_costs_the_turn(
     ],
 )
 def test_anything_else_is_a_developer_error_not_an_observation(
-    config: EnvConfig, reply: Any, named: str
+    config: EnvConfig, reply: Any, named: str, add_task: Task
 ) -> None:
     async def main() -> Env:
-        env = Env(TASK, config)
+        env = Env(add_task, config)
         await env.reset()
         try:
             with pytest.raises(TypeError, match="policy returned") as e:
@@ -271,7 +261,7 @@ def test_anything_else_is_a_developer_error_not_an_observation(
     asyncio.run(main())
 
 
-def test_run_episodes_raises_the_developer_error(config: EnvConfig) -> None:
+def test_run_episodes_raises_the_developer_error(config: EnvConfig, add_task: Task) -> None:
     calls = 0
     seen: list[str] = []
 
@@ -284,7 +274,7 @@ def test_run_episodes_raises_the_developer_error(config: EnvConfig) -> None:
         asyncio.run(
             run_episodes(
                 buggy,
-                [TASK] * 6,
+                [add_task] * 6,
                 concurrency=3,
                 config=config,
                 on_trajectory=lambda t: seen.append(t.termination),

@@ -51,8 +51,7 @@ class MetricSums:
         return out
 
 
-# Token-mean metrics of `policy_loss` / `importance_weights` accumulated as mean x tokens.
-TOKEN_MEANS = (
+LOSS_TOKEN_MEANS = (
     "clip_frac",
     "clip_frac_low",
     "clip_frac_high",
@@ -60,11 +59,17 @@ TOKEN_MEANS = (
     "ratio_mean",
     "kl",
     "entropy",
+)
+"""Token means `policy_loss` reports (``kl`` and ``entropy`` only when it computes them)."""
+
+TOKEN_MEANS = (
+    *LOSS_TOKEN_MEANS,
     "is_weight_mean",
     "is_clipped_frac",
     "mismatch_k3",
     "nonfinite_logprob_frac",
 )
+"""Every token-mean metric of a step, accumulated over micro-batches as mean x tokens."""
 MAXED = ("ratio_max", "is_weight_max", "staleness_max")
 SUMMED = (
     "loss",

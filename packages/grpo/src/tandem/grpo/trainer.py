@@ -50,7 +50,7 @@ from tandem.grpo.errors import GRPOError
 from tandem.grpo.importance import importance_weights
 from tandem.grpo.kl import kl_estimate
 from tandem.grpo.loss import policy_loss
-from tandem.grpo.metrics import MAXED, SUMMED, MetricSums, step_metrics
+from tandem.grpo.metrics import LOSS_TOKEN_MEANS, MAXED, SUMMED, MetricSums, step_metrics
 from tandem.grpo.numerics import as_float
 from tandem.grpo.sharded_norm import clip_sharded_grads
 
@@ -310,15 +310,7 @@ class GRPOStep:
             sums.add("loss", metrics["loss"])
             sums.add("pg_loss", metrics["pg_loss"])
             sums.add("tokens", n)
-            for name in (
-                "clip_frac",
-                "clip_frac_low",
-                "clip_frac_high",
-                "dual_clip_frac",
-                "ratio_mean",
-                "kl",
-                "entropy",
-            ):
+            for name in LOSS_TOKEN_MEANS:
                 if name in metrics:
                     sums.add(name, metrics[name] * n)
             sums.add("is_weight_mean", is_metrics["is_weight_mean"] * n)

@@ -49,7 +49,15 @@ except ImportError:  # imported from the tools directory, not as a package
 
 import unittest  # noqa: F401 - imported once here, inherited warm by every job
 
-_OWN_MODULES = ("forkserver_server", "runner", "supervisor", "shell", "jsonlite")
+_OWN_MODULES = (
+    "forkserver_server",
+    "runner",
+    "supervisor",
+    "shell",
+    "files",
+    "capture",
+    "jsonlite",
+)
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000

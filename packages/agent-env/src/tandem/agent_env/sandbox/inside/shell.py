@@ -23,7 +23,14 @@ import _signal as signal
 import os
 import resource
 import select
+import sys
 import time
+
+try:
+    from .capture import capped_text, keep_head_tail
+except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from capture import capped_text, keep_head_tail
 
 _CTL, _STATUS, _EXPORTS = 63, 62, 61
 _CHILDREN = "/proc/%d/task/%d/children"
@@ -54,17 +61,6 @@ def _frame(data):
         return b"%d\n" % len(data) + data
     esc = data.decode("latin-1").translate(_ESCAPES).encode("ascii")
     return b"b%d\n" % len(esc) + esc
-
-
-def capped_text(head, tail, total, tail_cap):
-    """The kept head and tail of a stream of ``total`` bytes, with a marker for the cut."""
-    if len(tail) > tail_cap:
-        del tail[: len(tail) - tail_cap]
-    omitted = total - len(head) - len(tail)
-    text = head.decode("utf-8", "replace")
-    if omitted > 0:
-        text += f"\n[... {omitted} bytes of output omitted ...]\n"
-    return text + tail.decode("utf-8", "replace")
 
 
 def read_small(path):
@@ -335,14 +331,7 @@ class Shell:
             if not chunk:
                 return total
             total += len(chunk)
-            if len(head) < head_cap:
-                take = head_cap - len(head)
-                head += chunk[:take]
-                chunk = chunk[take:]
-            if chunk:
-                tail += chunk
-                if len(tail) > 2 * tail_cap + (1 << 16):
-                    del tail[: len(tail) - tail_cap]
+            keep_head_tail(head, tail, chunk, head_cap, tail_cap)
             if len(chunk) < 1 << 16:
                 return total
 

@@ -5,7 +5,7 @@ sandbox start per command. Protocol: one JSON object per line in each direction.
 tool runs in the episode's persistent shell (``shell.py``); other commands (visible tests,
 search) run in a fresh ``bash -c`` or exec in their own session with per-command rlimits; both
 have a wall deadline and a cap on how much output is read. File tools run here directly and
-refuse any path that resolves outside the workspace.
+refuse any path that resolves outside the workspace (``files.py``).
 
 Stdlib only, Python >= 3.8: this runs on the sandbox's system interpreter. It starts once per
 episode, so it avoids heavy imports (json pulls in re, enum, collections: more than the
@@ -21,12 +21,18 @@ import sys
 import time
 
 try:
+    from . import files
+    from .capture import capped_text, keep_head_tail
+    from .files import ToolFailure
     from .jsonlite import dumps, loads
-    from .shell import Shell, capped_text, reap_orphans, write_small
+    from .shell import Shell, reap_orphans, write_small
 except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import files
+    from capture import capped_text, keep_head_tail
+    from files import ToolFailure
     from jsonlite import dumps, loads
-    from shell import Shell, capped_text, reap_orphans, write_small
+    from shell import Shell, reap_orphans, write_small
 
 if "json" in sys.modules:  # a warm interpreter (the fork server's) has loaded the C codec
     import json
@@ -40,10 +46,6 @@ SHELL = "/bin/bash"
 ENV = {}
 SHELLS = []  # the episode's persistent shell, started on first use
 REAP_FD = -1  # as its sandbox's init (pid 1): the SIGCHLD wake-up pipe for reaping orphans
-
-
-class ToolFailure(Exception):
-    """An agent-facing error: reported back as the observation, never fatal."""
 
 
 def _limit(res, value):
@@ -156,14 +158,7 @@ def run(req):
                     poller.unregister(rfd)
                     continue
                 total += len(chunk)
-                if len(head) < head_cap:
-                    take = head_cap - len(head)
-                    head += chunk[:take]
-                    chunk = chunk[take:]
-                if chunk:
-                    tail += chunk
-                    if len(tail) > 2 * tail_cap + (1 << 16):
-                        del tail[: len(tail) - tail_cap]
+                keep_head_tail(head, tail, chunk, head_cap, tail_cap)
                 if total > max_stream and not over:
                     over = True
                     _killpg(pid)
@@ -207,129 +202,8 @@ def _killpg(pid):
         pass
 
 
-def resolve(path, must_exist=True):
-    """Map a tool path to a real path inside the workspace, or refuse."""
-    if not isinstance(path, str) or not path:
-        raise ToolFailure("path must be a non-empty string")
-    full = path if os.path.isabs(path) else os.path.join(WS, path)
-    real = os.path.realpath(full)
-    if real != WS and not real.startswith(WS + os.sep):
-        raise ToolFailure(f"refused: {path!r} resolves to {real!r}, outside the workspace {WS}")
-    if must_exist and not os.path.exists(real):
-        raise ToolFailure(f"no such file or directory: {path}")
-    return real
-
-
-def _rel(real):
-    return os.path.relpath(real, WS)
-
-
-def _read_text(real, max_bytes):
-    if os.path.isdir(real):
-        raise ToolFailure(f"{_rel(real)} is a directory; use list_dir")
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise ToolFailure(
-            f"{_rel(real)} is larger than {max_bytes} bytes; read it with bash (head, sed -n)"
-        )
-    if b"\0" in data:
-        raise ToolFailure(f"{_rel(real)} is a binary file ({len(data)} bytes)")
-    return data.decode("utf-8", "replace")
-
-
-def read_file(req):
-    real = resolve(req["path"])
-    lines = _read_text(real, int(CFG.get("max_file_bytes", 4 << 20))).splitlines()
-    start = max(1, int(req.get("start_line") or 1))
-    end = int(req.get("end_line") or len(lines))
-    end = min(end, len(lines))
-    cap = int(CFG.get("head", 5000)) + int(CFG.get("tail", 5000))
-    out = []
-    size = 0
-    for n in range(start, end + 1):
-        line = f"{n:6d}\t{lines[n - 1]}"
-        size += len(line) + 1
-        if size > cap:
-            out.append(
-                f"[... truncated at line {n} of {len(lines)}; pass start_line to read on ...]"
-            )
-            break
-        out.append(line)
-    if not lines:
-        return {"output": "(empty file)"}
-    if end < start:
-        raise ToolFailure(f"end_line {end} is before start_line {start}")
-    if start > len(lines):
-        raise ToolFailure(f"start_line {start} is past the end ({len(lines)} lines)")
-    return {"output": "\n".join(out)}
-
-
-def write_file(req):
-    real = resolve(req["path"], must_exist=False)
-    if os.path.isdir(real):
-        raise ToolFailure(f"{_rel(real)} is a directory")
-    os.makedirs(os.path.dirname(real), exist_ok=True)
-    data = req["content"].encode("utf-8")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    fd = os.open(real, flags, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return {"output": f"wrote {len(data)} bytes to {_rel(real)}"}
-
-
-def edit(req):
-    real = resolve(req["path"])
-    text = _read_text(real, int(CFG.get("max_file_bytes", 4 << 20)))
-    old, new = req["old_string"], req["new_string"]
-    if not old:
-        raise ToolFailure("old_string must not be empty")
-    count = text.count(old)
-    if count == 0:
-        raise ToolFailure(
-            f"old_string not found in {_rel(real)} (it must match exactly, whitespace included)"
-        )
-    if count > 1:
-        raise ToolFailure(
-            f"old_string matches {count} times in {_rel(real)}; include more context so it matches once"
-        )
-    at = text.index(old)
-    text = text[:at] + new + text[at + len(old) :]
-    fd = os.open(real, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
-    with os.fdopen(fd, "wb") as f:
-        f.write(text.encode("utf-8"))
-    first = text.count("\n", 0, at) + 1
-    lines = text.splitlines()
-    lo, hi = max(1, first - 2), min(len(lines), first + new.count("\n") + 2)
-    snippet = "\n".join(f"{n:6d}\t{lines[n - 1]}" for n in range(lo, hi + 1))
-    return {"output": f"edited {_rel(real)}:\n{snippet}"}
-
-
-def list_dir(req):
-    real = resolve(req.get("path") or ".")
-    if not os.path.isdir(real):
-        raise ToolFailure(f"{_rel(real)} is not a directory")
-    depth = max(1, min(int(req.get("depth") or 1), 5))
-    cap = int(CFG.get("max_entries", 400))
-    out = []
-    base_depth = real.rstrip(os.sep).count(os.sep)
-    for root, dirs, files in os.walk(real):
-        dirs.sort()
-        rel_root = os.path.relpath(root, real)
-        entries = [d + "/" for d in dirs] + sorted(files)
-        if root.rstrip(os.sep).count(os.sep) - base_depth + 1 >= depth:
-            dirs[:] = []
-        for name in entries:
-            out.append(name if rel_root == "." else os.path.join(rel_root, name))
-            if len(out) >= cap:
-                out.append("[... more entries omitted ...]")
-                return {"output": "\n".join(out)}
-    return {"output": "\n".join(out) if out else "(empty directory)"}
-
-
 def search(req):
-    real = resolve(req.get("path") or ".")
+    real = files.resolve(req.get("path") or ".")
     argv = ["grep", "-rnIE", "--color=never"]
     if req.get("glob"):
         argv += ["--include", req["glob"]]
@@ -353,10 +227,10 @@ OPS = {
     "search": search,
     "exec": run,
     "shell": shell,
-    "read_file": read_file,
-    "write_file": write_file,
-    "edit": edit,
-    "list_dir": list_dir,
+    "read_file": files.read_file,
+    "write_file": files.write_file,
+    "edit": files.edit,
+    "list_dir": files.list_dir,
 }
 
 
@@ -389,6 +263,7 @@ def serve(cfg):
     if CFG.get("pid_namespace") and os.getpid() == 1 and os.getuid() != 0:
         _become_reaper()
     WS = os.path.realpath(CFG["workspace"])
+    files.configure(WS, CFG)
     os.chdir(WS)  # where the shell and other commands start
     SHELL = CFG.get("shell", "/bin/bash")
     ENV = CFG.get("env", {})
