@@ -9,7 +9,13 @@ delta, full-snapshot zstd and XOR+zstd ratios, encode and decode+apply GB/s of d
 on one thread and on all, and publish-then-pull wall time of the delta versus the full
 snapshot through a LocalStore and an S3 endpoint (moto's server on loopback).
 
+With --gpu (run by scripts/gpu_check.sh) it instead measures the device paths on one Adam
+step of a Qwen3-MoE-shaped bf16 state: torch CUDA tensors (torch kernels) and cupy or
+other DLPack CUDA arrays (cupy kernels) against the CPU path, bit-exactness and GB/s each,
+and which path serves which arrays.
+
     uv run python benchmarks/delta_sync.py [--mb 256] [--lrs 5e-7,1e-6,2e-6,5e-6,1e-5]
+    uv run python benchmarks/delta_sync.py --gpu [--mb 64]
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.delta_sync import bench
+from tandem.delta_sync import bench, gpu_bench
 from tandem.delta_sync.stores import S3Store
 
 
@@ -162,6 +168,21 @@ class S3Factory:
         self.buckets.clear()
 
 
+def gpu_main(mb: int, lr: float, repeat: int) -> int:
+    """The GPU columns: one row per path, and one `gpu_check:` line for the GPU check."""
+    shapes = bench.moe_shapes(mb << 20)
+    _, base, new = next(bench.adam_snapshots(shapes, [lr], warmup=1))
+    dense = sum(a.nbytes for a in new.values())
+    print(f"state: {len(new)} bf16 tensors, {dense / 2**20:.0f} MiB; one Adam step at lr {lr:.0e}")
+    rows, missing = gpu_bench.measure_paths(base, new, repeat=repeat)
+    print(gpu_bench.format_paths(rows))
+    for line in missing:
+        print(f"not measured: {line}")
+    print("gpu_check: " + gpu_bench.figures_line(rows))
+    device_rows = [r for r in rows if r.path != "cpu"]
+    return 0 if device_rows and all(r.bit_exact is not False for r in device_rows) else 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=256, help="minimum dense bf16 MB of the model")
@@ -172,7 +193,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--gpu", action="store_true", help="the device paths vs the CPU path")
     args = ap.parse_args()
+    if args.gpu:
+        lrs = sorted(float(x) for x in args.lrs.split(","))
+        raise SystemExit(gpu_main(args.mb, lrs[len(lrs) // 2], args.repeat + 1))
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
     torch.manual_seed(0)

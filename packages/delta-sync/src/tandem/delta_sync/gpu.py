@@ -6,6 +6,9 @@ chunks); the subscriber uploads only the staged patch and applies it with an ind
 on the GPU. Digests are xxh3 on the host, so verification streams each chunk to the host.
 
 torch is imported only when a CUDA tensor is handled (the caller has then imported it).
+CUDA arrays that are not torch tensors (cupy, JAX and other DLPack producers) take the cupy
+path instead (`dlpack.device_view`, `cupy_array.CupyArray`), which needs no torch; where
+both could serve an array, `benchmarks/delta_sync.py --gpu` measures which is faster.
 """
 
 from __future__ import annotations

@@ -117,8 +117,14 @@ def view_of(name: str, x: Any, *, writable: bool = False) -> TensorView:
         return _torch_cpu_view(name, x, dtype, writable)
     if isinstance(x, np.ndarray):
         return _numpy_view(name, x, writable)
+    from tandem.delta_sync.dlpack import device_view  # cupy, JAX and other DLPack CUDA arrays
+
+    device = device_view(name, x, writable=writable)
+    if device is not None:
+        return device
     raise DeltaSyncError(
-        f"tensor {name!r} is a {type(x).__name__}; expected a numpy array or a torch tensor"
+        f"tensor {name!r} is a {type(x).__name__}; expected a numpy array, a torch tensor "
+        "or a CUDA array (cupy, DLPack)"
     )
 
 

@@ -97,6 +97,9 @@ class InferenceEngine:
         self.stop_id = stop_id
         self.version = version
         self.cache = model.new_cache(config.max_slots, config.max_len)
+        # inputs go to the weights' device; what comes back (tokens, log-probs, routes) and the
+        # episodes' generators stay on the host, so a seed samples the same on CPU and GPU
+        self.device = next(self.model.parameters()).device
         mc = model.config
         self.route_dtype = np.uint8 if mc.num_experts <= 256 else np.int32
         self.prefixes = (
@@ -285,9 +288,11 @@ class InferenceEngine:
     def _forward(self, batch: list[_Active]) -> tuple[list[np.ndarray], list[int], list[float]]:
         """One forward over ``batch``: each request's routes, sampled token and its log-prob."""
         feeds = [a.to_feed for a in batch]
-        flat = torch.tensor([t for f in feeds for t in f], dtype=torch.long)
-        counts = [len(f) for f in feeds]
-        cu = torch.tensor([0, *np.cumsum(counts).tolist()], dtype=torch.long)
+        dev = self.device
+        flat = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)
+        bounds = [0, *np.cumsum([len(f) for f in feeds]).tolist()]
+        cu = torch.tensor(bounds, dtype=torch.long, device=dev)
+        # slots index the cache's lengths, which stay on the host
         slots = torch.tensor([a.slot for a in batch], dtype=torch.long)
         t0 = time.perf_counter()
         with torch.no_grad(), batch_invariant(self.config.deterministic):
@@ -298,8 +303,8 @@ class InferenceEngine:
         self.stats.forward_passes += 1
         self.stats.tokens_fed += int(flat.numel())
         self.stats.tokens_sampled += len(batch)
-        routes = out.route_ids.numpy().astype(self.route_dtype)
-        per_request = [routes[i:j] for i, j in itertools.pairwise(cu.tolist())]
+        routes = out.route_ids.cpu().numpy().astype(self.route_dtype)
+        per_request = [routes[i:j] for i, j in itertools.pairwise(bounds)]
         if self.prefixes is not None:
             for a, fed, r in zip(batch, feeds, per_request, strict=True):
                 self.prefixes.record(a.slot, fed, r, self.version)
@@ -331,7 +336,7 @@ class InferenceEngine:
         else:
             noise = torch.stack(
                 [torch.rand(scaled.shape[-1], generator=a.generator) for a in active]
-            )
+            ).to(scaled.device)
             gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
             tokens = (scaled + gumbel).argmax(-1)
         lp = target_logprobs(scaled, tokens)
