@@ -18,6 +18,7 @@ from tandem.agent_env import (
     run_episodes,
     submit_at_once,
 )
+from tandem.agent_env.sandbox.inside.canon import canon
 from tandem.agent_env.tasks import execute
 from tandem.agent_env.tasks.generate import MODULE_NAMES
 from tandem.agent_env.tasks.mutate import BUG_KINDS
@@ -58,26 +59,15 @@ def test_reference_fix_is_an_exact_unique_edit_that_restores_behaviour() -> None
         assert edit.path == path and buggy.count(edit.old) == 1
         fixed = buggy.replace(edit.old, edit.new)
         fn = task.metadata["function"]
-        calls = [
-            ln.strip()
-            for ln in task.hidden_tests.files["tests/test_hidden.py"].splitlines()
-            if ln.strip().startswith(f"self.assertEqual({fn}(")
-        ]
+        cases = [c for c in task.hidden_tests.cases if c.expr.startswith(f"{fn}(")]
         good, bad = execute.load(fixed, "fixed"), execute.load(buggy, "buggy")
         differing = 0
-        for line in calls:
-            call_src, expected_src = _split(line)
-            args = ast.literal_eval(f"({call_src[len(fn) + 1 : -1]},)")
-            expected = ast.literal_eval(expected_src)
-            assert execute.call(good, fn, args) == ("ok", expected)
-            differing += not execute.same(execute.call(bad, fn, args), ("ok", expected))
+        for case in cases:
+            args = ast.literal_eval(f"({case.expr[len(fn) + 1 : -1]},)")
+            kind, value = execute.call(good, fn, args)
+            assert kind == "ok" and canon(value) == case.expected, case
+            differing += not execute.same(execute.call(bad, fn, args), ("ok", value))
         assert differing == len(task.hidden_tests.fail_to_pass)
-
-
-def _split(line: str) -> tuple[str, str]:
-    """'self.assertEqual(f(a, b), expected)' -> ('f(a, b)', 'expected') using the AST."""
-    node = ast.parse(line).body[0].value  # type: ignore[attr-defined]
-    return ast.unparse(node.args[0]), ast.unparse(node.args[1])
 
 
 def _rewards(policy, tasks: list[Task], config: EnvConfig) -> list[float | None]:

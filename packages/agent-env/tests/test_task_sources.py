@@ -17,10 +17,12 @@ import msgspec
 import pytest
 
 from tandem.agent_env import (
+    Env,
     EnvConfig,
     OraclePolicy,
     SandboxError,
     TaskFileError,
+    ToolCall,
     run_episodes,
     submit_at_once,
 )
@@ -202,6 +204,51 @@ def test_swebench_pytest_records_with_a_bound_site_packages(
         m["content"] for m in trajs[0].messages if m["role"] == "tool" and "passed" in m["content"]
     )
     assert "1 passed" in run_tests_output  # the visible suite: the hidden test is not there
+
+
+_FORCE_PASS = (
+    "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+    "def pytest_runtest_makereport(item, call):\n"
+    "    outcome = yield\n"
+    "    report = outcome.get_result()\n"
+    "    report.outcome, report.longrepr = 'passed', None\n"
+)
+
+
+def test_pytest_hooks_and_plugins_the_agent_adds_do_not_count(
+    config: EnvConfig, tmp_path: Path
+) -> None:
+    """A conftest.py hook and a pytest.ini that loads a plugin of the agent's, both rewriting
+    every outcome to passed, with the bug left in place: the reward stays 0."""
+    site = next(
+        p for p in sys.path if p.endswith("site-packages") and (Path(p) / "pytest").is_dir()
+    )
+    sandbox = msgspec.structs.replace(
+        config.sandbox, ro_binds=(site,), python_paths=(site,), env={"PYTHONPATH": site}
+    )
+    cfg = msgspec.structs.replace(config, sandbox=sandbox)
+    path = _records(
+        tmp_path,
+        "pytest",
+        ["tests/test_area.py::TestArea::test_rect"],
+        ["tests/test_area.py::TestArea::test_square"],
+    )
+    task = load_tasks(path)[0]
+    files = {
+        "conftest.py": _FORCE_PASS,
+        "tests/conftest.py": _FORCE_PASS,
+        "agentplugin.py": _FORCE_PASS,
+        "pytest.ini": "[pytest]\naddopts = -p agentplugin\n",
+    }
+
+    async def go() -> float | None:
+        async with Env(task, cfg) as env:
+            await env.reset()
+            for p, text in files.items():
+                await env.step(ToolCall("write_file", json.dumps({"path": p, "content": text})))
+            return (await env.step(ToolCall("submit"))).reward
+
+    assert asyncio.run(go()) == 0.0
 
 
 def test_bad_records_explain_what_is_wrong(tmp_path: Path) -> None:

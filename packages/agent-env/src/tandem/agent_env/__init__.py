@@ -14,7 +14,7 @@ from tandem.agent_env.openai_policy import OpenAIPolicy
 from tandem.agent_env.oracle import OraclePolicy, oracle_script, submit_at_once
 from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION
 from tandem.agent_env.rollout import Policy, run_episode, run_episodes
-from tandem.agent_env.task import HiddenTests, ReferenceEdit, Task, TaskLimits
+from tandem.agent_env.task import HiddenCase, HiddenTests, ReferenceEdit, Task, TaskLimits
 from tandem.agent_env.tasks.generate import check_task_family, generate_tasks
 from tandem.agent_env.tasks.stdlib import stdlib_tasks
 from tandem.agent_env.tasks.swebench import load_tasks
@@ -36,6 +36,7 @@ __all__ = [
     "Env",
     "EnvConfig",
     "GradeResult",
+    "HiddenCase",
     "HiddenTests",
     "Observation",
     "OpenAIPolicy",

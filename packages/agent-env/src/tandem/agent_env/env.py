@@ -13,10 +13,17 @@ from tandem.agent_env.config import EnvConfig
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.grading import GradeResult, grade
 from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION, to_turn
+from tandem.agent_env.sandbox.answers import BadAnswer, Done, Failed, Ran, check
 from tandem.agent_env.sandbox.runtime import Runtime
 from tandem.agent_env.sandbox.session import Session, SessionLost, os_signal_name
 from tandem.agent_env.task import Task
-from tandem.agent_env.tools import ToolCall, ToolCallError, parse_call, tool_schemas
+from tandem.agent_env.tools import (
+    ToolCall,
+    ToolCallError,
+    cap_observation,
+    parse_call,
+    tool_schemas,
+)
 from tandem.agent_env.trajectory import Observation, StepRecord, StepResult, Trajectory
 
 log = structlog.get_logger()
@@ -26,7 +33,7 @@ DEFAULT_SYSTEM_PROMPT = (
     "code, make the fix, check it with the tests, then call submit. Each call is one turn."
 )
 _MAX_RESTARTS = 5
-_FILE_OP_TIMEOUT_S = 30.0
+_ANSWER_GRACE_S = 15.0  # beyond the command's own limit: the supervisor's work around it
 
 
 class Env:
@@ -109,9 +116,18 @@ class Env:
 
     # -- tools ---------------------------------------------------------------------------
 
-    async def _request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _request(
+        self, req: dict[str, Any], timeout: float, kind: type[Ran] | type[Done]
+    ) -> Ran | Done | Failed:
+        """Send a request; the answer checked against its schema (a malformed one is a
+        lost sandbox: `SessionLost`, and the sandbox is stopped for a restart)."""
         assert self._session is not None
-        return await self._session.request(req, timeout)
+        answer = await self._session.request(req, timeout)
+        try:
+            return check(answer, kind)
+        except BadAnswer as e:
+            await self._session.halt()
+            raise SessionLost(str(e)) from None
 
     def _remaining(self) -> float:
         return self.wall_s - (time.monotonic() - self._t0)
@@ -121,19 +137,20 @@ class Env:
         lim = self._session.limits
         budget = max(1.0, min(lim.command_timeout_s, self._remaining()))
         req["timeout"] = budget
-        res = await self._request(req, budget + 15.0)
-        if not res.get("ok"):
-            return Observation(f"error: {res.get('error')}", True), {}
-        code = res["exit_code"]
+        res = await self._request(req, budget + _ANSWER_GRACE_S, Ran)
+        if isinstance(res, Failed):
+            return Observation(f"error: {res.error}", True), {}
+        assert isinstance(res, Ran)
+        code = res.exit_code
         notes = []
         oom = pids = False
         if code != 0:  # limit counters are only read when something failed (cheap path first)
             oom0, pids0 = self._counters
             self._counters = (self._session.oom_kills(), self._session.pids_limit_hits())
             oom, pids = self._counters[0] > oom0, self._counters[1] > pids0
-        if res["timed_out"]:
+        if res.timed_out:
             notes.append(f"killed: still running after {budget:.0f} s (wall-clock limit)")
-        if res["output_limit"]:
+        if res.output_limit:
             notes.append(f"killed: produced more than {lim.max_output_bytes >> 20} MiB of output")
         if oom:
             notes.append(
@@ -141,32 +158,32 @@ class Env:
             )
         if pids:
             notes.append(f"process limit reached: fork failed at {lim.pids} processes")
-        if code < 0 and not res["timed_out"] and not res["output_limit"]:
+        if code < 0 and not res.timed_out and not res.output_limit:
             notes.append(f"killed by {os_signal_name(code)}")
         notes.append(f"exit code {code}")
-        if res.get("shell_restarted"):
+        if res.shell_restarted:
             notes.append(
                 "the shell "
-                + ("exited" if res.get("shell_exited") else "was killed")
-                + f"; a new one will start in {res.get('cwd')} with the exported variables "
+                + ("exited" if res.shell_exited else "was killed")
+                + f"; a new one will start in {res.cwd[:300]} with the exported variables "
                 "(files are kept, background processes are gone)"
             )
-        text = (
-            (res["output"].rstrip("\n") + "\n" if res["output"] else "")
-            + "["
-            + "; ".join(notes)
-            + "]"
-        )
-        info = {"exit_code": code, "timed_out": res["timed_out"], "output_bytes": res["bytes"]}
+        text = (res.output.rstrip("\n") + "\n" if res.output else "") + "[" + "; ".join(notes) + "]"
+        info = {"exit_code": code, "timed_out": res.timed_out, "output_bytes": res.bytes}
         return Observation(text, code != 0), info
 
     async def _file_op(self, req: dict[str, Any]) -> tuple[Observation, dict[str, Any]]:
-        res = await self._request(req, _FILE_OP_TIMEOUT_S)
-        if not res.get("ok"):
-            return Observation(f"error: {res.get('error')}", True), {}
+        # the supervisor gives up on a file or search at the command limit; this side waits
+        # that long plus a grace, never a fixed time of its own
+        assert self._session is not None
+        limit = max(1.0, min(self._session.limits.command_timeout_s, self._remaining()))
+        req["timeout"] = limit
+        res = await self._request(req, limit + _ANSWER_GRACE_S, Done)
+        if isinstance(res, Failed):
+            return Observation(f"error: {res.error}", True), {}
         if req["op"] == "search":
-            return Observation(res["output"], res["exit_code"] > 1), {}
-        return Observation(res["output"]), {}
+            return Observation(res.output, res.exit_code > 1), {}
+        return Observation(res.output), {}
 
     async def _dispatch(
         self, name: str, args: dict[str, Any]
@@ -199,7 +216,17 @@ class Env:
         return ids
 
     async def _run_call(self, call: ToolCall) -> tuple[Observation, dict[str, Any], str]:
-        """Validate and run one call: (observation, info, infra error or "")."""
+        """Validate and run one call: (observation, info, infra error or ""). Every
+        observation goes through the output cap."""
+        obs, info, infra = await self._run_uncapped(call)
+        assert self._session is not None or infra
+        lim = self._session.limits if self._session is not None else self.config.sandbox.limits
+        text = cap_observation(obs.content, lim.output_head_chars, lim.output_tail_chars)
+        if text is not obs.content:
+            obs = Observation(text, obs.is_error)
+        return obs, info, infra
+
+    async def _run_uncapped(self, call: ToolCall) -> tuple[Observation, dict[str, Any], str]:
         try:
             args = parse_call(call.name, call.arguments)
         except ToolCallError as e:
@@ -208,6 +235,12 @@ class Env:
             obs, info = await self._dispatch(call.name, args)
         except SessionLost as e:
             obs, infra_error = await self._recover(str(e))
+            return obs, {}, infra_error
+        except Exception as e:  # a bug of ours or bytes nobody expected: this sandbox only
+            log.warning("agent_env.tool_failed", task=self.task.id, error=repr(e)[:300])
+            assert self._session is not None
+            await self._session.halt()
+            obs, infra_error = await self._recover(f"{type(e).__name__}")
             return obs, {}, infra_error
         return obs, info, ""
 

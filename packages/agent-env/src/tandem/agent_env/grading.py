@@ -5,16 +5,17 @@ fork of a long-lived sandbox with ``unittest`` imported, in fresh namespaces and
 cgroup), else a one-shot bwrap run.
 
 The grading sandbox stacks three read-only layers: the task's base, the episode's writes, and
-the hidden tests (plus pristine copies of reset paths) on top, so whatever the agent did to
-those files is undone. Writes during grading go to a throwaway layer in RAM. A grading run
-that never started (the sandbox or the interpreter failed) is an infrastructure fault: the
-episode is marked, not scored 0.
+the hidden tests (plus pristine copies of reset paths and of files that act on the test
+machinery, ``collection_guard.py``) on top, so whatever the agent did to those files is undone.
+Writes during grading go to a throwaway layer in RAM. The verdict is the judge's
+(``judge.py``): it reads what the test process reports as bounded, schema-checked data. A
+grading run that never started (the sandbox or the interpreter failed before any of the agent's
+code ran) is an infrastructure fault: the episode is marked, not scored 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
 import subprocess
@@ -25,6 +26,8 @@ from typing import Any
 import msgspec
 import structlog
 
+from tandem.agent_env.collection_guard import guard
+from tandem.agent_env.judge import Reported, Verdict, judge, read_records, record_budget
 from tandem.agent_env.sandbox import bwrap as bw
 from tandem.agent_env.sandbox.forkserver_client import ForkServerError
 from tandem.agent_env.sandbox.proc import reap, spawn
@@ -56,6 +59,27 @@ def score(task: Task, tests: dict[str, str], partial_credit: bool) -> tuple[floa
     return (1.0 if resolved else 0.0), resolved
 
 
+def _spec(runtime: Runtime, task: Task, session: Session, hidden: Path) -> dict[str, Any]:
+    """What the test runner is told: the classic test ids, the cases (without their expected
+    values), and for classic tests the guarded paths to remove and the hidden files' hashes."""
+    cases = {c.id for c in task.hidden_tests.cases}
+    wanted = [*task.hidden_tests.fail_to_pass, *task.hidden_tests.pass_to_pass]
+    spec: dict[str, Any] = {
+        "ids": [t for t in dict.fromkeys(wanted) if t not in cases],
+        "cases": [
+            {"id": c.id, "imports": c.imports, "expr": c.expr} for c in task.hidden_tests.cases
+        ],
+        "framework": task.hidden_tests.framework,
+        "paths": list(runtime.config.python_paths),
+    }
+    if spec["ids"]:  # test files are imported: what the agent wrote must not change that
+        writes = session.final_layers()[-1]
+        if runtime.mounts is not None:  # the episode's disk is mounted in the helper's view
+            writes = runtime.mounts.view(writes)
+        spec["remove"], spec["hashes"] = guard(Path(writes), session.base, hidden, task)
+    return spec
+
+
 async def grade(
     runtime: Runtime, task: Task, session: Session, timeout_s: float, partial_credit: bool
 ) -> GradeResult:
@@ -66,78 +90,41 @@ async def grade(
     t0 = time.monotonic()
     hidden = runtime.hidden_layer(task, session.base, session.dir / "hidden")
     ids = list(dict.fromkeys([*task.hidden_tests.fail_to_pass, *task.hidden_tests.pass_to_pass]))
-    spec: dict[str, Any] = {
-        "ids": ids,
-        "framework": task.hidden_tests.framework,
-        "paths": list(runtime.config.python_paths),
-    }
+    spec = _spec(runtime, task, session, hidden)
+    budget = record_budget(task)
     server = runtime.forkserver if task.hidden_tests.framework == "unittest" else None
     if server is not None:
         lowers = [server.layer_path(p) for p in [hidden, *reversed(session.final_layers())]]
         if all(lowers):
             try:
-                out = await server.grade([str(p) for p in lowers], spec, timeout_s)
+                out = await server.grade([str(p) for p in lowers], spec, timeout_s, budget)
             except ForkServerError as e:
                 log.warning("agent_env.forkserver_grade_failed", task=task.id, error=str(e))
             else:
-                started = any(m.get("started") for m in out.messages)
-                if started and not out.server_died:
-                    return _verdict(task, ids, out.messages, out.timed_out, partial_credit, "", t0)
-                fatal = [str(m["fatal"]) for m in out.messages if m.get("fatal")]
+                verdict = judge(task, ids, out.reported)
+                if not verdict.infra and not out.server_died:
+                    return _result(task, verdict, partial_credit, t0)
                 log.warning(
                     "agent_env.forkserver_grade_fault",
                     task=task.id,
                     server_died=out.server_died,
-                    error=(fatal or ["no test started"])[-1],
+                    error=verdict.infra or "the fork server died",
                 )
 
-    messages, timed_out, stderr, error = await _grade_one_shot(
-        runtime, session, hidden, spec, timeout_s, task.hidden_tests.framework
+    reported, stderr, error = await _grade_one_shot(
+        runtime, session, hidden, spec, timeout_s, task.hidden_tests.framework, budget
     )
     if error:
         return GradeResult(None, False, {}, True, error, time.monotonic() - t0)
-    return _verdict(task, ids, messages, timed_out, partial_credit, stderr, t0)
+    return _result(task, judge(task, ids, reported, stderr), partial_credit, t0)
 
 
-def _verdict(
-    task: Task,
-    ids: list[str],
-    messages: list[dict[str, Any]],
-    timed_out: bool,
-    partial_credit: bool,
-    stderr: str,
-    t0: float,
-) -> GradeResult:
-    """Score what the test runner reported; a run that never started is an infra fault."""
-    tests: dict[str, str] = {}
-    details: dict[str, str] = {}
-    started = done = False
-    fatal = ""
-    for msg in messages:
-        if msg.get("started"):
-            started = True
-        elif msg.get("done"):
-            done = True
-        elif msg.get("fatal"):
-            fatal = str(msg["fatal"])
-        elif isinstance(msg.get("id"), str) and msg["id"] in ids:
-            tests[msg["id"]] = str(msg.get("status"))
-            if msg.get("detail"):
-                details[msg["id"]] = str(msg["detail"])
+def _result(task: Task, verdict: Verdict, partial_credit: bool, t0: float) -> GradeResult:
     seconds = time.monotonic() - t0
-    if not started or fatal:
-        why = fatal or f"grading did not start: {stderr[-800:]}"
-        return GradeResult(None, False, {}, True, why, seconds)
-    for t in ids:
-        tests.setdefault(t, "timeout" if timed_out else "error")
-    reward, resolved = score(task, tests, partial_credit)
-    detail = "timed out" if timed_out else ("" if done else "test process died")
-    if not resolved:
-        failing = [
-            f"{t}: {tests[t]}: {details.get(t, '')[-300:]}" for t in ids if tests[t] != "passed"
-        ]
-        detail = (detail + "\n" + "\n".join(failing[:5])).strip()
-    return GradeResult(reward, resolved, tests, False, detail, seconds)
+    if verdict.infra:
+        return GradeResult(None, False, {}, True, verdict.infra, seconds)
+    reward, resolved = score(task, verdict.tests, partial_credit)
+    return GradeResult(reward, resolved, verdict.tests, False, verdict.detail, seconds)
 
 
 async def _grade_one_shot(
@@ -147,13 +134,15 @@ async def _grade_one_shot(
     spec: dict[str, Any],
     timeout_s: float,
     framework: str,
-) -> tuple[list[dict[str, Any]], bool, str, str]:
+    budget: int,
+) -> tuple[Reported, str, str]:
     """A fresh sandbox (or, unsandboxed, a copied tree) running the test runner once:
-    (messages, timed out, stderr tail, error that kept it from starting)."""
+    (what it reported, stderr tail, error that kept it from starting)."""
     # unittest needs only the standard library: skip site-packages (and its .pth files) then
     flags = ("-I", "-S") if framework == "unittest" else ("-I",)
     cgroup = None
     spec = dict(spec)
+    reported = Reported(budget)
     if runtime.sandboxed:
         assert runtime.cgroups is not None
         lim = runtime.config.limits
@@ -173,12 +162,11 @@ async def _grade_one_shot(
         argv = bw.tool_argv(runtime.config.python, "runner", str(bw.INSIDE_DIR), flags)
         argv.append(json.dumps(spec))
     try:
-        proc = await spawn(argv, cgroup, subprocess.PIPE)
+        proc = await spawn(argv, cgroup, subprocess.PIPE, seccomp=runtime.seccomp_file)
     except OSError as e:
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)
-        return [], False, "", f"could not start grading: {e}"
-    messages: list[dict[str, Any]] = []
+        return reported, "", f"could not start grading: {e}"
     err_tail = bytearray()
 
     async def drain_stderr() -> None:
@@ -187,25 +175,15 @@ async def _grade_one_shot(
             err_tail.extend(chunk)
             del err_tail[:-4000]
 
-    async def read_results() -> None:
-        assert proc.stdout is not None
-        while line := await proc.stdout.readline():
-            with contextlib.suppress(ValueError):
-                msg = json.loads(line)
-                if isinstance(msg, dict):
-                    messages.append(msg)
-
     drainer = asyncio.create_task(drain_stderr())
-    timed_out = False
     try:
-        await asyncio.wait_for(read_results(), timeout_s)
+        assert proc.stdout is not None
+        await asyncio.wait_for(read_records(proc.stdout, reported), timeout_s)
     except TimeoutError:
-        timed_out = True
-    except (ValueError, asyncio.LimitOverrunError):
-        pass
+        reported.timed_out = True
     finally:
         await reap(proc, cgroup)
         drainer.cancel()
         if not runtime.sandboxed:
             await asyncio.to_thread(shutil.rmtree, session.dir / "grade", True)
-    return messages, timed_out, err_tail.decode("utf-8", "replace"), ""
+    return reported, err_tail.decode("utf-8", "replace"), ""

@@ -5,6 +5,19 @@ from __future__ import annotations
 import msgspec
 
 
+class HiddenCase(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One hidden test as data: ``expr`` (a call over literals, e.g. ``clamp(5, 0, 3)``) is
+    evaluated after ``imports`` in the grading sandbox, and its result's canonical text (exact
+    types and values, see ``sandbox/inside/canon.py``) must equal ``expected``. The expected
+    text stays on the host: the test process only computes results, the host judges them.
+    """
+
+    id: str
+    imports: str
+    expr: str
+    expected: str
+
+
 class HiddenTests(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Tests the agent never sees; they decide the reward.
 
@@ -13,6 +26,10 @@ class HiddenTests(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     files cannot change the verdict. ``framework`` is ``unittest`` (ids like
     ``tests.test_x.TestX.test_y``, run by the standard library) or ``pytest`` (node ids; pytest
     must be importable by the sandbox's interpreter, see ``SandboxConfig.ro_binds``).
+
+    ``cases`` are hidden tests as data (`HiddenCase`), judged on the host: the strongest
+    form, used by the generated task sources. Their ids are listed in ``fail_to_pass`` and
+    ``pass_to_pass`` like any other test's.
     """
 
     fail_to_pass: tuple[str, ...]
@@ -20,6 +37,7 @@ class HiddenTests(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     files: dict[str, str] = {}
     reset_paths: tuple[str, ...] = ()
     framework: str = "unittest"
+    cases: tuple[HiddenCase, ...] = ()
 
 
 class TaskLimits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -117,6 +117,36 @@ class ToolCallError(ValueError):
     """A malformed tool call; its message is shown to the agent."""
 
 
+MAX_ARGUMENTS_CHARS = 8 << 20
+"""Longest arguments text accepted (a large ``write_file`` fits; megabytes more do not)."""
+MAX_PATH_CHARS = 4096
+"""Longest ``path`` (Linux's PATH_MAX)."""
+_INT_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
+def _quote(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages never echo an argument
+    whole, so a malformed call cannot flood the observation."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+OBSERVATION_SLACK = 2000
+"""Characters an observation may exceed the head and tail caps by: room for the notes after a
+command's output (exit code, limits hit), which was cut to head and tail in the sandbox."""
+
+
+def cap_observation(text: str, head: int, tail: int) -> str:
+    """The head and tail of ``text`` with a marker for what was cut: every observation goes
+    through this (bash output is already cut this way inside the sandbox, and passes)."""
+    if len(text) <= head + tail + OBSERVATION_SLACK:
+        return text
+    omitted = len(text) - head - tail
+    return (
+        text[:head] + f"\n[... {omitted} characters omitted ...]\n" + (text[-tail:] if tail else "")
+    )
+
+
 def _check_text(value: str, where: str) -> None:
     try:
         value.encode("utf-8")
@@ -127,9 +157,29 @@ def _check_text(value: str, where: str) -> None:
 
 
 def parse_call(name: Any, arguments: Any) -> dict[str, Any]:
-    """Validate a call against its schema and return the arguments as a dict."""
+    """Validate a call against its schema and return the arguments as a dict. Anything
+    malformed (however deep, large or oddly typed) raises `ToolCallError` with a short
+    message; nothing else escapes."""
+    try:
+        return _parse_call(name, arguments)
+    except ToolCallError:
+        raise
+    except (ValueError, TypeError, RecursionError, MemoryError, OverflowError) as e:
+        raise ToolCallError(
+            f"arguments of {_quote(name)} could not be read: {type(e).__name__}"
+        ) from None
+
+
+def _parse_call(name: Any, arguments: Any) -> dict[str, Any]:
     if not isinstance(name, str) or name not in _BY_NAME:
-        raise ToolCallError(f"unknown tool {name!r}; available tools: {', '.join(TOOL_NAMES)}")
+        raise ToolCallError(
+            f"unknown tool {_quote(name)}; available tools: {', '.join(TOOL_NAMES)}"
+        )
+    if isinstance(arguments, bytes | str) and len(arguments) > MAX_ARGUMENTS_CHARS:
+        raise ToolCallError(
+            f"arguments of {name} are {len(arguments)} characters long, over the limit of "
+            f"{MAX_ARGUMENTS_CHARS}"
+        )
     if isinstance(arguments, bytes):
         try:
             arguments = arguments.decode("utf-8")
@@ -143,6 +193,10 @@ def parse_call(name: Any, arguments: Any) -> dict[str, Any]:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as e:
             raise ToolCallError(f"arguments of {name} are not valid JSON: {e}") from None
+        except RecursionError:
+            raise ToolCallError(f"arguments of {name} are nested too deeply") from None
+        except ValueError as e:  # e.g. an integer of thousands of digits
+            raise ToolCallError(f"arguments of {name} are not valid JSON: {str(e)[:120]}") from None
     if not isinstance(arguments, dict):
         raise ToolCallError(
             f"arguments of {name} must be a JSON object, got {type(arguments).__name__}"
@@ -155,7 +209,7 @@ def parse_call(name: Any, arguments: Any) -> dict[str, Any]:
     for key, value in arguments.items():
         if key not in props:
             raise ToolCallError(
-                f"{name} has no argument {key!r}; it takes: {', '.join(props) or 'none'}"
+                f"{name} has no argument {_quote(key)}; it takes: {', '.join(props) or 'none'}"
             )
         want = props[key]["type"]
         if want == "string":
@@ -164,6 +218,15 @@ def parse_call(name: Any, arguments: Any) -> dict[str, Any]:
             _check_text(value, f"{name}.{key}")
             if "\0" in value and key != "content" and key != "new_string":
                 raise ToolCallError(f"{name}.{key} contains a NUL character")
-        elif want == "integer" and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ToolCallError(f"{name}.{key} must be an integer, got {type(value).__name__}")
+            if key == "path" and len(value) > MAX_PATH_CHARS:
+                raise ToolCallError(
+                    f"{name}.path is {len(value)} characters long; at most {MAX_PATH_CHARS}"
+                )
+        elif want == "integer":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ToolCallError(f"{name}.{key} must be an integer, got {type(value).__name__}")
+            if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+                raise ToolCallError(
+                    f"{name}.{key} must be between {_INT_RANGE[0]} and {_INT_RANGE[1]}"
+                )
     return arguments

@@ -75,6 +75,7 @@ def base_args(
     uid: int = UID,
     allow_userns: bool = False,
     locale_dir: Path | None = None,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
     """Arguments common to every sandbox (everything but the workspace and the command).
 
@@ -84,6 +85,10 @@ def base_args(
     (see :func:`forkserver_args`): bwrap then keeps its sandbox in the user namespace that owns
     its mount namespace, which lets the server give each job fresh namespaces and its own
     /proc.
+
+    ``seccomp_fd``: the descriptor bwrap reads the seccomp filter from (``seccomp.py``); with
+    it, the sandbox's first program is its pid 1 (``--as-pid-1``), so no process of bwrap's
+    own, holding descriptors of the host, stays inside the sandbox.
     """
     args = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(uid), "--gid", str(uid)]
     for d in cfg.system_dirs:
@@ -106,6 +111,8 @@ def base_args(
     # /dev is a tmpfs of its own: cap /dev/shm and make the rest read-only (device nodes
     # still work), so files can only be written to the capped workspace, /tmp and /dev/shm
     args += ["--dev", "/dev", "--proc", "/proc"]
+    # the kernel keyring is not namespaced: the names of the host user's keys stay hidden
+    args += ["--ro-bind", "/dev/null", "/proc/keys", "--ro-bind", "/dev/null", "/proc/key-users"]
     args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     args += ["--size", str(cfg.limits.tmp_bytes), "--tmpfs", "/tmp"]
     # Extra binds come after the private /tmp, so a bound path under the host's /tmp (a
@@ -121,6 +128,8 @@ def base_args(
     if not allow_userns:
         args += ["--disable-userns"]
     args += ["--die-with-parent", "--new-session"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd), "--as-pid-1"]
     return args
 
 

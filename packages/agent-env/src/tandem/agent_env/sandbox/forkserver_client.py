@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -31,10 +30,12 @@ from typing import Any
 
 import structlog
 
+from tandem.agent_env.judge import MAX_LINE_BYTES, Reported, read_records
 from tandem.agent_env.sandbox import bwrap as bw
 from tandem.agent_env.sandbox import jsonwire
 from tandem.agent_env.sandbox.cgroups import EpisodeCgroup
 from tandem.agent_env.sandbox.proc import ChildProcess, reap, spawn
+from tandem.agent_env.sandbox.rootless import rootless_limits
 
 log = structlog.get_logger()
 
@@ -50,11 +51,11 @@ class ForkServerError(Exception):
 
 
 class JobOutput:
-    """What one grading job reported: its JSON lines, and whether it ended by itself."""
+    """What one grading job reported (bounded, schema-checked lines) and whether the fork
+    server itself died meanwhile."""
 
-    def __init__(self) -> None:
-        self.messages: list[dict[str, Any]] = []
-        self.timed_out = False
+    def __init__(self, max_records: int) -> None:
+        self.reported = Reported(max_records)
         self.server_died = False
 
 
@@ -206,7 +207,9 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc is not None and not self.proc.has_exited()
 
-    async def grade(self, lowers: list[str], spec: dict[str, Any], timeout_s: float) -> JobOutput:
+    async def grade(
+        self, lowers: list[str], spec: dict[str, Any], timeout_s: float, max_records: int
+    ) -> JobOutput:
         """Run the hidden tests over ``lowers`` (server-side layer paths, top first) in a
         job of its own cgroup; raises :class:`ForkServerError` if it could not start."""
         rt = self.runtime
@@ -219,19 +222,20 @@ class ForkServer:
             "tmp": lim.tmp_bytes,
             "fsize": lim.file_size_bytes,
             "nofile": lim.open_files,
+            **rootless_limits(rt, lim),
         }
         mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
         cgroup = rt.cgroups.create(mem, lim.pids)  # usually a recycled one: no thread trip
-        out = JobOutput()
+        out = JobOutput(max_records)
         pidfd = -1
         try:
             sock, pidfd = await self.launch(job, cgroup)
-            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 22)
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_LINE_BYTES)
             try:
                 async with asyncio.timeout(timeout_s):
-                    await _read_lines(reader, out)
+                    await read_records(reader, out.reported)
             except TimeoutError:
-                out.timed_out = True
+                out.reported.timed_out = True
             finally:
                 writer.close()
             out.server_died = not self.alive()
@@ -319,17 +323,3 @@ async def _read_all(sock: socket.socket, timeout_s: float) -> bytes:
         while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), timeout_s):
             chunks.append(chunk)
     return b"".join(chunks)[-2000:]
-
-
-async def _read_lines(reader: asyncio.StreamReader, out: JobOutput) -> None:
-    while True:
-        try:
-            line = await reader.readline()
-        except (ValueError, asyncio.LimitOverrunError):  # an oversized line: skip it
-            continue
-        if not line:
-            return
-        with contextlib.suppress(ValueError):
-            msg = json.loads(line)
-            if isinstance(msg, dict):
-                out.messages.append(msg)

@@ -33,7 +33,14 @@ def check(rc, what):
     if rc != 0:
         e = ctypes.get_errno()
         raise OSError(e, "%s: %s" % (what, os.strerror(e)))
-check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+if sys.argv[3] == "userns":  # not root: a user namespace of our own, where we are root
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.unshare(0x10000000 | 0x00020000), "unshare(CLONE_NEWUSER | CLONE_NEWNS)")
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+else:
+    check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
 check(libc.mount(b"none", b"/", None, 0x4000 | (1 << 18), None), "make / private")
 # the scratch root becomes a shared mount of this namespace only, so that workspaces mounted
 # later also appear in sandboxes started here that bind it (the warm grader)
@@ -66,7 +73,8 @@ for line in sys.stdin:
 class MountHelper:
     """Client of the helper process."""
 
-    def __init__(self, python: str, share: str) -> None:
+    def __init__(self, python: str, share: str, userns: bool = False) -> None:
+        self.userns = userns
         self.nsenter = shutil.which("nsenter") or ""
         if not self.nsenter:
             raise SandboxError(
@@ -74,7 +82,16 @@ class MountHelper:
                 "private mount namespace that holds the size-capped workspaces (apt install util-linux)"
             )
         self._proc = subprocess.Popen(
-            [python, "-I", "-S", "-c", _HELPER, str(os.getpid()), share],
+            [
+                python,
+                "-I",
+                "-S",
+                "-c",
+                _HELPER,
+                str(os.getpid()),
+                share,
+                "userns" if userns else "-",
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -99,7 +116,21 @@ class MountHelper:
     @property
     def ns_prefix(self) -> list[str]:
         """Command prefix that runs a program inside the helper's mount namespace."""
-        return [self.nsenter, f"--mount=/proc/{self._proc.pid}/ns/mnt", "--"]
+        ns = f"/proc/{self._proc.pid}/ns"
+        if self.userns:  # join its user namespace first (as its root); setgroups is denied there
+            return [
+                self.nsenter,
+                f"--user={ns}/user",
+                f"--mount={ns}/mnt",
+                "--preserve-credentials",
+                "--",
+            ]
+        return [self.nsenter, f"--mount={ns}/mnt", "--"]
+
+    def view(self, path: str) -> str:
+        """``path`` as seen inside the helper's mount namespace (where the episodes' disks
+        are mounted), reachable from this process through ``/proc/<helper>/root``."""
+        return f"/proc/{self._proc.pid}/root{path}"
 
     async def call(self, op: str, path: str, size: int = 0, dirs: tuple[str, ...] = ()) -> None:
         """``mount`` (a tmpfs of ``size`` bytes with ``upper`` and ``dirs`` in it), ``mkdir``

@@ -20,6 +20,11 @@ from tandem.agent_env.sandbox.cgroups import EpisodeCgroup
 
 # Joins the cgroups before exec'ing bwrap, so that no process of the sandbox starts outside.
 _JOIN = 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"'
+# The same, with the seccomp filter file opened as SECCOMP_FD for bwrap's ``--seccomp``.
+SECCOMP_FD = 9
+_JOIN_SECCOMP = (
+    f'echo $$ > "$1" && echo $$ > "$2" && f="$3" && shift 3 && exec "$@" {SECCOMP_FD}<"$f"'
+)
 _STREAM_LIMIT = 8 << 20
 
 
@@ -149,11 +154,25 @@ async def spawn(
     stderr: Any,
     stdin: bool = False,
     pass_fds: tuple[int, ...] = (),
+    seccomp: str | None = None,
 ) -> ChildProcess:
-    """Start ``argv`` inside the cgroup (via a tiny shell that joins it, then execs)."""
-    if cgroup is not None:
-        files = cgroup.procs_files
-        argv = ["/bin/sh", "-c", _JOIN, "sh", files[0], files[-1], *argv]
+    """Start ``argv`` inside the cgroup (via a tiny shell that joins it, then execs), with
+    the seccomp filter file ``seccomp`` open as `SECCOMP_FD` when given."""
+    files = cgroup.procs_files if cgroup is not None else []
+    if not files and seccomp is not None:  # no cgroup to join (rootless): only the filter
+        argv = [
+            "/bin/sh",
+            "-c",
+            f'f="$1" && shift && exec "$@" {SECCOMP_FD}<"$f"',
+            "sh",
+            seccomp,
+            *argv,
+        ]
+    elif files:
+        if seccomp is not None:
+            argv = ["/bin/sh", "-c", _JOIN_SECCOMP, "sh", files[0], files[-1], seccomp, *argv]
+        else:
+            argv = ["/bin/sh", "-c", _JOIN, "sh", files[0], files[-1], *argv]
     return await ChildProcess.start(
         argv, stdin=stdin, stderr=stderr, limit=_STREAM_LIMIT, pass_fds=pass_fds
     )

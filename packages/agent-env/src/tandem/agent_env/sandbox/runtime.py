@@ -33,6 +33,9 @@ from tandem.agent_env.sandbox.cgroups import CgroupManager
 from tandem.agent_env.sandbox.forkserver_client import ForkServer
 from tandem.agent_env.sandbox.locales import build_locale_dir, covered_by
 from tandem.agent_env.sandbox.mounts import MountHelper
+from tandem.agent_env.sandbox.proc import SECCOMP_FD
+from tandem.agent_env.sandbox.rootless import WEAKER, RlimitManager, rootless
+from tandem.agent_env.sandbox.seccomp import write_filter
 from tandem.agent_env.task import Task
 
 log = structlog.get_logger()
@@ -71,19 +74,27 @@ class Runtime:
         self._built: set[str] = set()  # digests of the bases built under root/bases
         self.max_cached_bases = 512
         self._episodes = 0
-        self.cgroups: CgroupManager | None = None
+        self.cgroups: CgroupManager | RlimitManager | None = None
+        self.rootless = sandboxed and rootless() and not config.cgroup_root
         self.mounts: MountHelper | None = None
         self._forkservers: dict[asyncio.AbstractEventLoop, ForkServer] = {}
         self._servers_lock = threading.Lock()
         self.bwrap = ""
         self.locale_dir: Path | None = None  # a locale archive for sandboxes (locales.py)
+        self.seccomp_file: str | None = None  # the filter every sandbox runs under
         try:
             if sandboxed:
                 self.bwrap = bw.find_bwrap(config.bwrap)
                 bw.probe(self.bwrap, config.python, str(self.root))
-                self.cgroups = CgroupManager(config.cgroup_root)
-                self.mounts = MountHelper(sys.executable, str(self.root))
+                if self.rootless:
+                    log.warning("agent_env.rootless", weaker=WEAKER)
+                    self.cgroups = RlimitManager()
+                else:
+                    self.cgroups = CgroupManager(config.cgroup_root)
+                self.mounts = MountHelper(sys.executable, str(self.root), userns=rootless())
             bw.write_etc(self.root / "etc")
+            if sandboxed:  # in the scratch root: the fork server reads it at /.layers
+                self.seccomp_file = write_filter(str(self.root / "seccomp.bpf"))
             if sandboxed and covered_by(config.system_dirs):
                 self.locale_dir = build_locale_dir(self.root / "locale")
             bw.precompile(config.python if sandboxed else sys.executable)
@@ -93,7 +104,13 @@ class Runtime:
         self.base_argv = (
             [
                 *self.mounts.ns_prefix,
-                *bw.base_args(self.bwrap, config, self.root / "etc", locale_dir=self.locale_dir),
+                *bw.base_args(
+                    self.bwrap,
+                    config,
+                    self.root / "etc",
+                    locale_dir=self.locale_dir,
+                    seccomp_fd=SECCOMP_FD,
+                ),
             ]
             if self.mounts is not None
             else []

@@ -28,6 +28,7 @@ from tandem.agent_env.sandbox.cgroups import EpisodeCgroup
 from tandem.agent_env.sandbox.deadlines import deadlines
 from tandem.agent_env.sandbox.forkserver_client import ForkServerError, end_job, kill_job
 from tandem.agent_env.sandbox.proc import ChildProcess, reap, spawn
+from tandem.agent_env.sandbox.rootless import rootless_limits
 
 if TYPE_CHECKING:
     from tandem.agent_env.sandbox.runtime import Runtime
@@ -78,6 +79,7 @@ class Session:
                 "nofile": lim.open_files,
                 "env": bw.sandbox_env(self.runtime.config),
                 "pid_namespace": self.runtime.sandboxed,
+                **rootless_limits(self.runtime, lim),
             }
         )
 
@@ -149,7 +151,7 @@ class Session:
         argv.append(json.dumps(self._supervisor_config()))
         errlog = open(self.dir / f"stderr{self.starts}", "wb")  # noqa: SIM115 - closed in stop()
         try:
-            self.proc = await spawn(argv, self.cgroup, errlog, stdin=True)
+            self.proc = await spawn(argv, self.cgroup, errlog, stdin=True, seccomp=rt.seccomp_file)
         finally:
             errlog.close()
         self._reader, self._writer = self.proc.stdout, self.proc.stdin

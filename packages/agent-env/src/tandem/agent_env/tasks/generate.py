@@ -13,7 +13,8 @@ import random
 from collections.abc import Sequence
 
 from tandem.agent_env.errors import SandboxError
-from tandem.agent_env.task import HiddenTests, ReferenceEdit, Task
+from tandem.agent_env.sandbox.inside.canon import canon
+from tandem.agent_env.task import HiddenCase, HiddenTests, ReferenceEdit, Task
 from tandem.agent_env.tasks import execute, mutate
 from tandem.agent_env.tasks.templates import TEMPLATES, Template
 
@@ -54,6 +55,12 @@ def _inputs(rng: random.Random, t: Template, want: int) -> list[tuple]:
 def _outcome_text(result: tuple[str, object]) -> str:
     kind, value = result
     return f"raises {value}" if kind == "raise" else f"returns {value!r}"
+
+
+def hidden_case(test_id: str, imports: str, expr: str, expected: object) -> HiddenCase:
+    """A hidden test as data: the call, and its expected result's canonical text (exact
+    types and values), which stays on the host."""
+    return HiddenCase(test_id, imports, expr, canon(expected))
 
 
 def _test_method(fn: str, i: int, args: tuple, expected: object) -> str:
@@ -157,21 +164,23 @@ def _assemble(
     buggy_mod = header + "\n\n".join(buggy_src if t is target else t.source for t in order)
     old, new = mutate.fix_edit(fixed_mod, buggy_mod)
 
-    hidden = [
-        "import unittest\n",
-        f"from {module} import {', '.join(sorted(t.name for t in order))}\n\n",
-    ]
-    hidden.append("\nclass HiddenTests(unittest.TestCase):\n")
+    hidden: list[HiddenCase] = []
+
+    def add_case(test_id: str, fn: str, args: tuple, expected: object) -> None:
+        hidden.append(
+            hidden_case(test_id, f"from {module} import {fn}", _call_text(fn, args), expected)
+        )
+
     f2p_ids: list[str] = []
     p2p_ids: list[str] = []
     case = 0
     for args, expected in f2p[:hidden_per_function]:
-        hidden.append(_test_method(target.name, case, args, expected))
         f2p_ids.append(f"tests.test_hidden.HiddenTests.test_{target.name}_{case}")
+        add_case(f2p_ids[-1], target.name, args, expected)
         case += 1
     for args, expected in p2p[: max(2, hidden_per_function - len(f2p))]:
-        hidden.append(_test_method(target.name, case, args, expected))
         p2p_ids.append(f"tests.test_hidden.HiddenTests.test_{target.name}_{case}")
+        add_case(p2p_ids[-1], target.name, args, expected)
         case += 1
     visible = [
         "import unittest\n",
@@ -189,15 +198,17 @@ def _assemble(
             if i < 2:
                 visible.append(method)
                 vis_ids.append(f"tests.test_{module}.Test{module.capitalize()}.test_{t.name}_{i}")
+                add_case(vis_ids[-1], t.name, args, res[1])
             else:
-                hidden.append(method)
                 p2p_ids.append(f"tests.test_hidden.HiddenTests.test_{t.name}_{i}")
+                add_case(p2p_ids[-1], t.name, args, res[1])
     # Tests of the buggy function that pass before the fix: the ones the hidden set left
     # over, else one it holds too (a repository alone with its buggy function still has one).
     shown = p2p[max(2, hidden_per_function - len(f2p)) :][:2] or p2p[-1:]
     for args, expected in shown:
         visible.append(_test_method(target.name, case, args, expected))
         vis_ids.append(f"tests.test_{module}.Test{module.capitalize()}.test_{target.name}_{case}")
+        add_case(vis_ids[-1], target.name, args, expected)
         case += 1
     if not vis_ids:  # every input shows the bug: a test class with no test, still valid Python
         visible.append("    pass\n")
@@ -216,8 +227,8 @@ def _assemble(
         hidden_tests=HiddenTests(
             fail_to_pass=tuple(f2p_ids),
             pass_to_pass=tuple(p2p_ids + vis_ids),
-            files={"tests/test_hidden.py": "".join(hidden)},
             reset_paths=(visible_path, "tests/__init__.py"),
+            cases=tuple(hidden),
         ),
         visible_test_command=_VISIBLE_CMD,
         reference_edits=(ReferenceEdit(f"{module}.py", old, new),),

@@ -21,7 +21,7 @@ from pathlib import Path
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.task import HiddenTests, ReferenceEdit, Task
 from tandem.agent_env.tasks import execute, mutate
-from tandem.agent_env.tasks.generate import _literal
+from tandem.agent_env.tasks.generate import _literal, hidden_case
 
 
 @dataclass(frozen=True)
@@ -150,18 +150,17 @@ def stdlib_task(
 
 def _assemble(seed, index, kind, m, target, original, buggy, f2p, p2p, example) -> Task:
     mod, fn = target.module, target.call
-    lines = [
-        "import unittest\n",
-        f"from vendored import {mod}\n\n",
-        "\nclass HiddenTests(unittest.TestCase):\n",
-    ]
+    imports = f"from vendored import {mod}"
+    cases = []
     ids_f2p, ids_p2p = [], []
     for i, (args, expected) in enumerate([*f2p, *p2p]):
         call = f"{mod}.{fn}({', '.join(_literal(a) for a in args)})"
-        lines.append(
-            f"    def test_{i}(self):\n        self.assertEqual({call}, {_literal(expected)})\n"
-        )
         (ids_f2p if i < len(f2p) else ids_p2p).append(f"tests.test_hidden.HiddenTests.test_{i}")
+        cases.append(
+            hidden_case(f"tests.test_hidden.HiddenTests.test_{i}", imports, call, expected)
+        )
+    imported = "tests.test_vendored.TestImport.test_imports"
+    cases.append(hidden_case(imported, imports, f"callable({mod}.{fn})", True))
     visible = (
         "import unittest\n\n\nclass TestImport(unittest.TestCase):\n"
         f"    def test_imports(self):\n        from vendored import {mod}\n\n"
@@ -188,8 +187,8 @@ def _assemble(seed, index, kind, m, target, original, buggy, f2p, p2p, example) 
         },
         hidden_tests=HiddenTests(
             fail_to_pass=tuple(ids_f2p),
-            pass_to_pass=(*ids_p2p, "tests.test_vendored.TestImport.test_imports"),
-            files={"tests/test_hidden.py": "".join(lines)},
+            pass_to_pass=(*ids_p2p, imported),
+            cases=tuple(cases),
             reset_paths=("tests/test_vendored.py", "tests/__init__.py"),
         ),
         reference_edits=(ReferenceEdit(f"vendored/{mod}.py", old, new),),

@@ -6,6 +6,7 @@ workspace and its config before serving.
 """
 
 import os
+import stat
 
 WS = "/workspace"
 CFG = {}
@@ -27,10 +28,38 @@ def resolve(path, must_exist=True):
     full = path if os.path.isabs(path) else os.path.join(WS, path)
     real = os.path.realpath(full)
     if real != WS and not real.startswith(WS + os.sep):
-        raise ToolFailure(f"refused: {path!r} resolves to {real!r}, outside the workspace {WS}")
+        raise ToolFailure(
+            f"refused: {_short(path)!r} resolves to {_short(real)!r}, outside the workspace {WS}"
+        )
     if must_exist and not os.path.exists(real):
-        raise ToolFailure(f"no such file or directory: {path}")
+        raise ToolFailure(f"no such file or directory: {_short(path)}")
     return real
+
+
+def _short(text, limit=200):
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _open_regular(real, flags, mode=0o644):
+    """Open a regular file only: a FIFO, socket or device would block or misbehave, so it is
+    refused (O_NONBLOCK: opening a FIFO does not wait for a writer; fstat then tells)."""
+    try:
+        st = os.lstat(real)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        raise ToolFailure(f"{_rel(real)} is not a regular file")
+    try:
+        fd = os.open(real, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno in (6, 19, 40):  # ENXIO, ENODEV, ELOOP: a socket, a device, a swapped link
+            raise ToolFailure(f"{_rel(real)} is not a regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ToolFailure(f"{_rel(real)} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _rel(real):
@@ -40,7 +69,7 @@ def _rel(real):
 def _read_text(real, max_bytes):
     if os.path.isdir(real):
         raise ToolFailure(f"{_rel(real)} is a directory; use list_dir")
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = _open_regular(real, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
@@ -85,8 +114,7 @@ def write_file(req):
         raise ToolFailure(f"{_rel(real)} is a directory")
     os.makedirs(os.path.dirname(real), exist_ok=True)
     data = req["content"].encode("utf-8")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    fd = os.open(real, flags, 0o644)
+    fd = _open_regular(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return {"output": f"wrote {len(data)} bytes to {_rel(real)}"}
@@ -109,7 +137,7 @@ def edit(req):
         )
     at = text.index(old)
     text = text[:at] + new + text[at + len(old) :]
-    fd = os.open(real, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+    fd = _open_regular(real, os.O_WRONLY | os.O_TRUNC)
     with os.fdopen(fd, "wb") as f:
         f.write(text.encode("utf-8"))
     first = text.count("\n", 0, at) + 1

@@ -32,6 +32,7 @@ as SCM_RIGHTS.
 import _signal as signal  # the enum-free core: jobs touch fewer objects (pages copied)
 import ctypes
 import gc
+import hashlib  # noqa: F401 - the test runner checks hidden files with it: loaded warm
 import json  # also loaded warm for the supervisors (the test runner keeps its own codec)
 import os
 import resource
@@ -42,10 +43,12 @@ import sys
 try:
     from . import runner, supervisor
     from .jsonlite import dumps
+    from .lockdown import filter_program, install_filter, not_dumpable, own_keyring
 except ImportError:  # imported from the tools directory, not as a package
     import runner
     import supervisor
     from jsonlite import dumps
+    from lockdown import filter_program, install_filter, not_dumpable, own_keyring
 
 import unittest  # noqa: F401 - imported once here, inherited warm by every job
 
@@ -57,6 +60,8 @@ _OWN_MODULES = (
     "files",
     "capture",
     "jsonlite",
+    "canon",
+    "lockdown",
 )
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -140,6 +145,8 @@ def _setup_mounts(job):
         pts = "newinstance,ptmxmode=0666,mode=620"
         _mount("devpts", "/dev/pts", "devpts", _MS_NOSUID | _MS_NOEXEC, pts)
     _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    for hidden in ("/proc/keys", "/proc/key-users"):  # the keyring is not namespaced
+        _mount("/dev/null", hidden, None, _MS_BIND)
 
 
 def _loopback_up():
@@ -212,6 +219,8 @@ def _limits(job):
         (resource.RLIMIT_CPU, job.get("cpu")),
         (resource.RLIMIT_FSIZE, job.get("fsize")),
         (resource.RLIMIT_NOFILE, job.get("nofile")),
+        (resource.RLIMIT_AS, job.get("as")),  # without cgroups (rootless) only
+        (resource.RLIMIT_NPROC, job.get("nproc")),
     ):
         if value:
             resource.setrlimit(res, (int(value), int(value)))
@@ -283,6 +292,10 @@ def _job_init(job, sock_fd):
         _become_agent()
         _drop_privileges()
         _limits(job)
+        own_keyring(_CTYPES)
+        if job.get("kind") == "session":
+            not_dumpable(_CTYPES)
+        install_filter(_FILTER[0], _CTYPES)
     except Exception as e:
         _fatal(sock_fd, f"sandbox setup failed: {type(e).__name__}: {e}")
         os._exit(70)
@@ -347,9 +360,15 @@ _FD_SIZE = 4  # one int
 _ANC_SPACE = socket.CMSG_LEN(_FD_SIZE)  # room for one descriptor: more would be closed
 
 
+_CTYPES = (ctypes, _LIBC)
+_FILTER = []  # the seccomp filter every job installs (made by main())
+
+
 def main():
     global _LAST_CAP
     ctl = socket.socket(fileno=int(sys.argv[1]))
+    with open(f"{_LAYERS}/seccomp.bpf", "rb") as f:
+        _FILTER.append(filter_program(f.read(), _CTYPES))
     try:
         with open("/proc/sys/kernel/cap_last_cap") as f:
             _LAST_CAP = int(f.read())

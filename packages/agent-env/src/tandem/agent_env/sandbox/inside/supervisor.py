@@ -25,6 +25,7 @@ try:
     from .capture import capped_text, keep_head_tail
     from .files import ToolFailure
     from .jsonlite import dumps, loads
+    from .lockdown import not_dumpable, own_keyring
     from .shell import Shell, reap_orphans, write_small
 except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,7 @@ except ImportError:  # run as a script (python -I leaves the script's directory 
     from capture import capped_text, keep_head_tail
     from files import ToolFailure
     from jsonlite import dumps, loads
+    from lockdown import not_dumpable, own_keyring
     from shell import Shell, reap_orphans, write_small
 
 if "json" in sys.modules:  # a warm interpreter (the fork server's) has loaded the C codec
@@ -211,7 +213,7 @@ def search(req):
     rel = os.path.relpath(real, WS)
     if rel != ".":  # without an operand grep searches the cwd and prints bare relative paths
         argv += ["--", rel]
-    res = run({"argv": argv, "timeout": req.get("timeout", 20)})  # the host waits 30 s
+    res = run({"argv": argv, "timeout": req.get("timeout", 20)})  # the host waits a bit more
     lines = res["output"].splitlines()
     cap = int(CFG.get("max_matches", 200))
     if res["exit_code"] == 1 and not lines:
@@ -251,7 +253,13 @@ def _become_reaper():
 
 
 def main():
-    serve(loads(sys.argv[1]))
+    """A supervisor of its own (a bwrap sandbox): the lockdown a fork-server job gets from
+    the server (``lockdown.py``), then serve."""
+    cfg = loads(sys.argv[1])
+    if cfg.get("pid_namespace"):
+        own_keyring()
+        not_dumpable()
+    serve(cfg)
 
 
 def serve(cfg):
@@ -270,6 +278,8 @@ def serve(cfg):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversized writes fail with EFBIG instead
     _limit(resource.RLIMIT_FSIZE, CFG.get("fsize"))
     _limit(resource.RLIMIT_NOFILE, CFG.get("nofile"))
+    _limit(resource.RLIMIT_AS, CFG.get("as"))  # without cgroups (rootless) only
+    _limit(resource.RLIMIT_NPROC, CFG.get("nproc"))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     out = os.dup(1)
     null = os.open("/dev/null", os.O_WRONLY)
@@ -287,8 +297,8 @@ def serve(cfg):
             resp = {"ok": False, "error": str(e)}
         except OSError as e:
             resp = {"ok": False, "error": f"{type(e).__name__}: {e.strerror or e}"}
-        except (KeyError, IndexError, TypeError, ValueError, UnicodeError) as e:
-            resp = {"ok": False, "error": f"bad request: {type(e).__name__}: {e}"}
+        except Exception as e:  # any request the host sends gets an answer
+            resp = {"ok": False, "error": f"bad request: {type(e).__name__}: {str(e)[:200]}"}
         send_line(out, dumps(resp))
         if REAP_FD >= 0 and reaped.poll(0):
             reap_orphans(_children(0), REAP_FD)
