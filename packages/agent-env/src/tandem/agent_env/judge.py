@@ -6,7 +6,11 @@ against `Record` (exact types, bounded lengths; anything else is dropped), and d
 
 - a hidden-test case (`HiddenCase`) passes only if exactly one record carries its id and a
   ``value`` equal to the expected canonical text kept on the host (the sandbox never sees it);
-- a classic test passes if exactly one record reports it ``passed``;
+- a classic test (a test file's id) passes if exactly one record carrying this grading's
+  seal (a secret the host made for it, never in the test process's argv or environment)
+  reports it ``passed``, and the run reached its sealed ``done`` line: the runner writes that
+  only after checking that the test framework was not tampered with (``integrity.py``). A
+  ``tampered`` line, or no sealed ``done``, fails every classic test;
 - a grading that reported ``started`` (written by the runner before any of the agent's code is
   imported) is the agent's from then on: crashes, exits, ``fatal`` lines, floods and silence
   score 0. Only a grading that never started is an infrastructure fault.
@@ -41,6 +45,8 @@ class Record(msgspec.Struct, frozen=True):
     started: bool = False
     done: bool = False
     fatal: _Text | None = None
+    seal: _Id | None = None
+    tampered: _Text | None = None
 
 
 _decode = msgspec.json.Decoder(Record).decode
@@ -96,8 +102,9 @@ class Verdict(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
-def judge(task: Task, ids: list[str], out: Reported, stderr: str = "") -> Verdict:
-    """The verdict for ``ids`` from what ``out`` holds."""
+def judge(task: Task, ids: list[str], out: Reported, stderr: str = "", seal: str = "") -> Verdict:
+    """The verdict for ``ids`` from what ``out`` holds (``seal``: the grading's secret, for
+    classic tests)."""
     records = out.records
     if not records or not records[0].started:
         fatal = next((r.fatal for r in records if r.fatal), None)
@@ -105,14 +112,21 @@ def judge(task: Task, ids: list[str], out: Reported, stderr: str = "") -> Verdic
         return Verdict({}, infra=why)
     cases: dict[str, HiddenCase] = {c.id: c for c in task.hidden_tests.cases}
     seen: dict[str, list[Record]] = {}
-    done = False
+    done = sealed_done = False
+    tampered = ""
     notes: list[str] = []
     for r in records[1:]:
-        if r.id is not None:
+        if r.id is not None and (r.id in cases or r.seal == seal):
             seen.setdefault(r.id, []).append(r)
         done = done or r.done
+        sealed_done = sealed_done or (r.done and r.seal == seal)
+        tampered = tampered or (r.tampered or "")
         if r.fatal and len(notes) < 2:
             notes.append(f"the test process reported: {r.fatal[:300]}")
+    if tampered:
+        notes.append(f"the test framework was tampered with: {tampered[:300]}")
+    elif not sealed_done and not out.timed_out and any(t not in cases for t in ids):
+        notes.append("the test process did not finish its checks")
     tests: dict[str, str] = {}
     details: dict[str, str] = {}
     for t in ids:
@@ -127,6 +141,8 @@ def judge(task: Task, ids: list[str], out: Reported, stderr: str = "") -> Verdic
             tests[t] = "passed" if ok else "failed"
             if not ok:
                 details[t] = f"raised {r.raised}" if r.raised else f"returned {str(r.value)[:300]}"
+        elif tampered or not sealed_done:  # its report cannot be told from a forged one
+            tests[t] = "timeout" if out.timed_out else "failed"
         else:
             tests[t] = got[0].status or "error"
             details[t] = got[0].detail
@@ -137,7 +153,7 @@ def judge(task: Task, ids: list[str], out: Reported, stderr: str = "") -> Verdic
         )
     if out.timed_out:
         notes.append("timed out")
-    elif not done and not out.overflow:
+    elif not done and not out.overflow and not tampered:
         notes.append("test process died")
     failing = [f"{t}: {tests[t]}: {details.get(t, '')[-300:]}" for t in ids if tests[t] != "passed"]
     detail = "\n".join(notes + failing[:5]).strip()

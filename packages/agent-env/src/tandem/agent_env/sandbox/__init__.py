@@ -14,7 +14,8 @@ limited by a memory and pids cgroup, rlimits and size-capped tmpfs mounts.
 - ``proc.py``: child processes watched by pidfd on the event loop, started in a cgroup.
 - ``seccomp.py``: the seccomp filter (classic BPF) every sandbox runs under.
 - ``answers.py``: the schemas every supervisor answer is checked against.
-- ``rootless.py``: rlimits standing in for cgroups for a user who is not root.
+- ``rootless.py``: limits for a user who is not root: a delegated cgroup v2 subtree when
+  systemd gives one, rlimits standing in for cgroups otherwise.
 - ``locales.py``: a locale archive for sandboxes; ``deadlines.py``: per-loop request
   timeouts; ``jsonwire.py``: encoding of requests and jobs sent into the sandbox.
 - ``inside/``: the stdlib-only programs that run *inside* the sandbox (supervisor, shell, test

@@ -194,6 +194,8 @@ class CgroupManager:
         self._sweep(bases)
         self.parents: dict[str, Path] = {}
         try:
+            if self.version == 2:  # a delegated root may not give its children them yet
+                self._enable_v2(bases[""])
             for ctrl, base in bases.items():
                 parent = base / f"{_PREFIX}{os.getpid()}-{self._tag}"
                 parent.mkdir(exist_ok=True)

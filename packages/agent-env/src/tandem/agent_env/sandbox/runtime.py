@@ -34,7 +34,7 @@ from tandem.agent_env.sandbox.forkserver_client import ForkServer
 from tandem.agent_env.sandbox.locales import build_locale_dir, covered_by
 from tandem.agent_env.sandbox.mounts import MountHelper
 from tandem.agent_env.sandbox.proc import SECCOMP_FD
-from tandem.agent_env.sandbox.rootless import WEAKER, RlimitManager, rootless
+from tandem.agent_env.sandbox.rootless import RlimitManager, rootless, rootless_cgroups
 from tandem.agent_env.sandbox.seccomp import write_filter
 from tandem.agent_env.task import Task
 
@@ -75,7 +75,7 @@ class Runtime:
         self.max_cached_bases = 512
         self._episodes = 0
         self.cgroups: CgroupManager | RlimitManager | None = None
-        self.rootless = sandboxed and rootless() and not config.cgroup_root
+        self.rootless = False  # True when rlimits stand in for cgroups (rootless.py)
         self.mounts: MountHelper | None = None
         self._forkservers: dict[asyncio.AbstractEventLoop, ForkServer] = {}
         self._servers_lock = threading.Lock()
@@ -86,11 +86,11 @@ class Runtime:
             if sandboxed:
                 self.bwrap = bw.find_bwrap(config.bwrap)
                 bw.probe(self.bwrap, config.python, str(self.root))
-                if self.rootless:
-                    log.warning("agent_env.rootless", weaker=WEAKER)
-                    self.cgroups = RlimitManager()
+                if rootless() and not config.cgroup_root:
+                    self.cgroups = rootless_cgroups()
                 else:
                     self.cgroups = CgroupManager(config.cgroup_root)
+                self.rootless = isinstance(self.cgroups, RlimitManager)
                 self.mounts = MountHelper(sys.executable, str(self.root), userns=rootless())
             bw.write_etc(self.root / "etc")
             if sandboxed:  # in the scratch root: the fork server reads it at /.layers

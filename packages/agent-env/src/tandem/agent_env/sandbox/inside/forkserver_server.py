@@ -59,6 +59,7 @@ _OWN_MODULES = (
     "shell",
     "files",
     "capture",
+    "integrity",
     "jsonlite",
     "canon",
     "lockdown",

@@ -4,8 +4,12 @@ This process imports the agent's code, so nothing it reports is trusted: the hos
 ``grading.py``) checks every line against a schema and decides the verdict. Hidden tests given
 as data (``cases``) report only the canonical text of each result (``canon.py``); the expected
 values never enter the sandbox. Classic test files (``unittest`` ids, ``pytest`` node ids)
-report a status per id, which code in the same process could forge (see the package's
-README, "Threat model").
+report a status per id, which code in the same process could forge; to make that hard, every
+record carries the grading's seal (a secret of the host's, given on stdin or in the fork
+server's job, never in argv), the framework is snapshotted before the agent's code is imported
+and checked after each test's import and run (``integrity.py``; a change is reported as
+``tampered`` and scores 0), and ``done`` is written only after the last check. What remains
+open is in the package's README, "Threat model".
 
 Before any of the agent's code is imported (and before the ``started`` line): files the host
 listed as changing how tests are collected or imported (``conftest.py``, test configuration,
@@ -27,25 +31,39 @@ import sys
 
 try:
     from .canon import canon
+    from .integrity import Snapshot, shadowed
     from .jsonlite import dumps, loads
     from .lockdown import own_keyring
 except ImportError:  # run as a script (python -I leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from canon import canon
+    from integrity import Snapshot, shadowed
     from jsonlite import dumps, loads
     from lockdown import own_keyring
 
     del sys.path[0]
-    for _name in ("jsonlite", "canon", "lockdown"):  # workspace modules may have these names
+    for _name in (
+        "jsonlite",
+        "canon",
+        "lockdown",
+        "integrity",
+    ):  # workspace modules may have these names
         sys.modules.pop(_name, None)
 
-# Set by main(); importing this module has no side effects.
+# Set by run(); importing this module has no side effects.
 SPEC = {}
 RESULTS = sys.stderr
+SEAL = ""  # the host's secret for this grading: records without it are not counted
+
+
+def emit(record):
+    if SEAL:
+        record["seal"] = SEAL
+    RESULTS.write(dumps(record) + "\n")
 
 
 def report(test_id, status, detail=""):
-    RESULTS.write(dumps({"id": test_id, "status": status, "detail": detail[-2000:]}) + "\n")
+    emit({"id": test_id, "status": status, "detail": detail[-2000:]})
 
 
 def _describe(e):
@@ -68,7 +86,7 @@ def run_cases(cases):
             record["value"] = canon(eval(case["expr"], scope))
         except BaseException as e:  # SystemExit too: a crash of the code under test scores 0
             record["raised"] = _describe(e)
-        RESULTS.write(dumps(record) + "\n")
+        emit(record)
 
 
 def _remove(path):
@@ -111,7 +129,8 @@ def prepare(spec):
     return ""
 
 
-def run_unittest(ids):
+def result_class():
+    """The result object's class for unittest tests (made once ``unittest`` is imported)."""
     import unittest
 
     class Result(unittest.TestResult):
@@ -137,6 +156,40 @@ def run_unittest(ids):
         def addUnexpectedSuccess(self, test):
             self.bad.append(("failed", "unexpected success"))
 
+    return Result
+
+
+def _cases_of(suite):
+    """The test cases in ``suite``, with each one's test method as loaded."""
+    import unittest
+
+    out, stack = [], [suite]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, unittest.TestSuite):
+            stack.extend(item._tests)
+        elif item is not None:
+            method = getattr(type(item), getattr(item, "_testMethodName", ""), None)
+            out.append((item, method, getattr(method, "__code__", None)))
+    return out
+
+
+def _cases_changed(cases):
+    for test, method, code in cases:
+        now = getattr(type(test), getattr(test, "_testMethodName", ""), None)
+        if now is not method or getattr(now, "__code__", None) is not code:
+            return f"test method {type(test).__name__}.{test._testMethodName} was replaced"
+        problem = shadowed(test, type(test))
+        if problem:
+            return problem
+    return ""
+
+
+def run_unittest(ids, result_cls, snapshot):
+    """Run and report each test id; checks the framework after each import and each run.
+    Returns what was found tampered with ("" if nothing), stopping there."""
+    import unittest
+
     loader = unittest.TestLoader()
     for test_id in ids:
         try:
@@ -144,14 +197,45 @@ def run_unittest(ids):
         except Exception as e:
             report(test_id, "error", f"{type(e).__name__}: {e}")
             continue
-        result = Result()
+        cases = _cases_of(suite)
+        problem = snapshot.problem() or _cases_changed(cases)
+        if problem:
+            return problem
+        result = result_cls()
         suite.run(result)
+        problem = (
+            snapshot.problem()
+            or shadowed(result, result_cls)
+            or shadowed(loader, unittest.TestLoader)
+            or _cases_changed(cases)
+        )
+        if problem:
+            return problem
         if result.bad:
             report(test_id, result.bad[0][0], result.bad[0][1])
         elif result.ran == 0:
             report(test_id, "missing", "no test found")
         else:
             report(test_id, "passed")
+    return ""
+
+
+def snapshot_framework(framework):
+    """The framework as it is before any of the agent's code runs (``integrity.py``), and
+    the result class for unittest."""
+    result_cls = None
+    modules = []
+    if framework == "unittest":
+        result_cls = result_class()
+        modules = [
+            m
+            for name, m in list(sys.modules.items())
+            if (name == "unittest" or name.startswith("unittest.")) and m is not None
+        ]
+    extra = [("runner", globals())]
+    if result_cls is not None:
+        extra.append(("runner.Result", result_cls))
+    return Snapshot(modules, extra), result_cls
 
 
 def run_pytest(ids):
@@ -180,9 +264,12 @@ def run_pytest(ids):
 def run(spec, results):
     """Run the tests of ``spec`` from its workspace; one JSON line per test to ``results``
     (a text file), framed by ``started`` and ``done``. A ``fatal`` line comes only before
-    ``started``, from this runner itself (nothing of the agent's has run then)."""
-    global SPEC, RESULTS
+    ``started``, from this runner itself (nothing of the agent's has run then); a
+    ``tampered`` line instead of ``done`` says what the agent's code changed in the test
+    framework."""
+    global SPEC, RESULTS, SEAL
     SPEC, RESULTS = spec, results
+    SEAL = SPEC.pop("seal", "")
     os.chdir(SPEC["workspace"])
     framework = SPEC.get("framework", "unittest")
     ids = SPEC.get("ids", [])
@@ -201,21 +288,53 @@ def run(spec, results):
     if problem:
         RESULTS.write(dumps({"fatal": problem}) + "\n")
         return
+    snapshot = result_cls = None
+    if ids:  # test files run with the agent's code: note the framework before it can run
+        snapshot, result_cls = snapshot_framework(framework)
     site = [i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))]
     sys.path.insert(site[0] if site else len(sys.path), SPEC["workspace"])
-    RESULTS.write(dumps({"started": True}) + "\n")
+    emit({"started": True})
     RESULTS.flush()
     if SPEC.get("cases"):
         run_cases(SPEC["cases"])
-    if ids and framework == "pytest":
-        run_pytest(ids)
-    elif ids:
-        run_unittest(ids)
-    RESULTS.write(dumps({"done": True}) + "\n")
+    if ids:
+        tampered = snapshot.problem()
+        if not tampered and framework == "pytest":
+            run_pytest(ids)
+            tampered = snapshot.problem()
+        elif not tampered:
+            tampered = run_unittest(ids, result_cls, snapshot)
+        if tampered:
+            emit({"tampered": tampered})
+            return
+    emit({"done": True})
+
+
+_RLIMITS = {
+    "as": "RLIMIT_AS",
+    "nproc": "RLIMIT_NPROC",
+    "fsize": "RLIMIT_FSIZE",
+    "nofile": "RLIMIT_NOFILE",
+}
+
+
+def limit(rlimits):
+    """Set the rlimits the host asked for (a grading sandbox started on its own; a fork
+    server's job has them set by the server): without cgroups (rootless) they are what bounds
+    the tests' memory and processes."""
+    import resource
+
+    for name, value in rlimits.items():
+        resource.setrlimit(getattr(resource, _RLIMITS[name]), (int(value), int(value)))
 
 
 def main():
-    spec = loads(sys.argv[1])
+    # the spec comes on stdin (the grading's seal must not be in /proc/self/cmdline)
+    spec = loads(sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read())
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    limit(spec.pop("rlimits", {}))
     if spec["workspace"] == "/workspace":  # a bwrap sandbox (not a trusted local run)
         own_keyring()
     results = os.fdopen(os.dup(1), "w", buffering=1)
