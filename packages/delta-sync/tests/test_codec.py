@@ -206,7 +206,7 @@ def test_bad_inputs_give_clear_errors(trainer) -> None:
         encode_delta(v0, {**v0, "embed": v0["embed"].astype(np.float32)})
     with pytest.raises(DeltaSyncError, match="unsupported dtype"):
         encode_full({"c": np.zeros(3, np.complex64)})
-    with pytest.raises(DeltaSyncError, match="numpy array or a torch tensor"):
+    with pytest.raises(DeltaSyncError, match="expected a numpy array, a torch tensor"):
         encode_full({"l": [1, 2, 3]})
     blob = encode_delta(v0, trainer.step())
     fortran = {k: np.asfortranarray(a) if a.ndim > 1 else a.copy() for k, a in v0.items()}

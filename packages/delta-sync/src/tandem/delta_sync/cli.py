@@ -6,7 +6,8 @@
     delta-sync inspect STORE [--version 7] [--json]
     delta-sync serve /srv/relay --port 8080                # read-only HTTP for a directory
     delta-sync relay s3://bucket/run --cache /srv/cache    # per-region read-through cache
-    delta-sync bench --mb 256
+    delta-sync bench --mb 256 [--json codec.json]
+    delta-sync plan --model-gb 140 --regions us,eu --rtt-ms 20,150 --bench codec.json
 
 STORE is a directory, file://DIR, s3://BUCKET/PREFIX or http(s)://HOST/PATH.
 Every failure is one line, `delta-sync: ...`, on stderr, and exit status 1.
@@ -31,6 +32,7 @@ from tandem.delta_sync.dtypes import itemsize
 from tandem.delta_sync.errors import DeltaSyncError
 from tandem.delta_sync.manifest import LATEST_KEY, manifest_key
 from tandem.delta_sync.parallel import default_workers
+from tandem.delta_sync.plan_cli import add_plan_parser
 from tandem.delta_sync.stores import LocalStore, open_store
 from tandem.delta_sync.stores.base import nothing_published
 from tandem.delta_sync.stores.local import os_error_message
@@ -194,6 +196,12 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             echo=console.print,
         )
     print(bench.format_table(rows, workers))
+    if args.json:  # the codec figures `delta-sync plan --bench` reads
+        import dataclasses
+        import json
+
+        data = {"workers": workers, "mb": args.mb, "rows": [dataclasses.asdict(r) for r in rows]}
+        Path(args.json).write_text(json.dumps(data, indent=1))
     return 0
 
 
@@ -280,7 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--workers", type=int, default=None, help=_WORKERS)
     b.add_argument("--repeat", type=int, default=2, help="timed runs per measurement")
+    b.add_argument(
+        "--json",
+        default=None,
+        help="also write the figures to this file, for `plan` (default: not written)",
+    )
     b.set_defaults(fn=cmd_bench)
+    add_plan_parser(sub, _subparser)
     return p
 
 

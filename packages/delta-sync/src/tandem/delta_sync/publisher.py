@@ -12,11 +12,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from tandem.delta_sync.aliases import check_same_ties, split_aliases
+from tandem.delta_sync.base_copy import keep_copy
 from tandem.delta_sync.codec.container import shard_digest, shard_key
 from tandem.delta_sync.codec.encoder import encode_state, tensor_infos
 from tandem.delta_sync.errors import DeltaSyncError, StoreError
@@ -67,6 +69,9 @@ class Publisher:
     Tied tensors (one tensor under two names, e.g. an embedding and the output head) are
     stored once and recorded as aliases; the tying must stay the same within a stream.
     A read-only store (`HttpStore`, `RelayStore`) is refused here, before any work.
+
+    `base_dir` keeps the copies of host tensors memory-mapped in files there instead of in
+    memory (for a model larger than the host's spare memory; see `base_copy`).
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class Publisher:
         group: Sequence[str] | None = None,
         commit_timeout: float = 600.0,
         progress: Progress | None = None,
+        base_dir: str | Path | None = None,
     ) -> None:
         if anchor_every < 1:
             raise DeltaSyncError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -109,6 +115,7 @@ class Publisher:
         self.group = None if group is None else check_group(part, group)
         self.commit_timeout = commit_timeout
         self.progress = progress
+        self.base_dir = None if base_dir is None else Path(base_dir)
         self._prev: dict[str, TensorView] | None = None
         self._prev_manifest: Manifest | None = None
         self._aliases: dict[str, str] = {}  # tied tensors of the last version
@@ -165,7 +172,7 @@ class Publisher:
         if m.anchor_version == m.version:
             self._anchor_manifest = m
             if self.catchup:  # its own copy: _prev is advanced in place by the next publish
-                self._anchor = {n: v.snapshot() for n, v in self._prev.items()}
+                self._anchor = keep_copy(self._prev, self.base_dir)
         else:
             self._anchor_manifest = sub.manifest(m.anchor_version)
             if self.catchup:
@@ -241,9 +248,9 @@ class Publisher:
                 self._resumed = False
             raise
         if self._prev is None:
-            self._prev = {n: v.snapshot() for n, v in views.items()}
+            self._prev = keep_copy(views, self.base_dir)
         if is_anchor:
-            anchor_copy = {n: v.snapshot() for n, v in views.items()} if self.catchup else None
+            anchor_copy = keep_copy(views, self.base_dir) if self.catchup else None
             self._anchor, self._anchor_manifest = anchor_copy, manifest
         self._prev_manifest = manifest
         self._aliases = aliases

@@ -127,15 +127,21 @@ def _metadata(path: Path, header: dict[str, Any]) -> dict[str, str]:
 
 
 def load_safetensors(
-    path: str | os.PathLike[str], *, as_torch: bool = False
+    path: str | os.PathLike[str], *, as_torch: bool = False, mmap_mode: str | None = None
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """(tensors, metadata) of a safetensors file: numpy arrays (bf16/fp8 through ml_dtypes)
     or, with `as_torch`, torch tensors bit for bit; metadata is the `__metadata__` strings.
+
+    `mmap_mode` ("r" read-only, "r+" patched in place, as in `numpy.load`) returns views of
+    the memory-mapped file instead of copies, so a state larger than memory can be
+    published or pulled: the file must not change underneath while they are in use.
 
     Offsets are checked first: a truncated file, a tensor whose bytes lie outside the data
     or overlap another's, or an unsupported dtype raises DeltaSyncError naming the tensor.
     """
     path = Path(path)
+    if mmap_mode not in (None, "r", "r+"):
+        raise DeltaSyncError(f"mmap_mode must be None, 'r' or 'r+', got {mmap_mode!r}")
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -157,9 +163,11 @@ def load_safetensors(
             raise _bad(path, f"tensors {first!r} and {second!r} overlap in the data section")
     metadata = _metadata(path, header)
     out: dict[str, Any] = {}
-    data = np.memmap(path, np.uint8, mode="r") if size else np.empty(0, np.uint8)
+    data = np.memmap(path, np.uint8, mode=mmap_mode or "r") if size else np.empty(0, np.uint8)
     for name, (dtype, shape, begin, end) in entries.items():
-        raw = np.array(data[8 + n + begin : 8 + n + end])  # a copy: the file may change
+        raw = data[8 + n + begin : 8 + n + end]
+        if mmap_mode is None:
+            raw = np.array(raw)  # a copy: the file may change
         out[name] = raw.view(dtype).reshape(shape)
     del data
     if as_torch:

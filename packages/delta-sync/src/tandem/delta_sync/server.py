@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import socketserver
 import threading
 import urllib.parse
 from http import HTTPStatus
@@ -90,6 +91,15 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("delta_sync.http", client=self.client_address[0], request=format % args)
 
 
+class _Server(ThreadingHTTPServer):
+    """No reverse DNS lookup of the address at bind (HTTPServer's getfqdn), which stalls
+    for seconds where no resolver answers (an isolated network, a broken DNS setup)."""
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+
 class StoreServer:
     """Serve a store directory, or any Store (e.g. a RelayStore), read-only on host:port
     (port 0 picks a free one), from a background thread or in the foreground."""
@@ -103,7 +113,7 @@ class StoreServer:
         self.store = source
         handler = type("Handler", (_Handler,), {"store": source})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = _Server((host, port), handler)
         except OSError as e:
             hint = ""
             if e.errno == errno.EADDRINUSE:

@@ -13,6 +13,8 @@ anchor's worth of bytes.
 
 from __future__ import annotations
 
+import mmap
+import os
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -34,6 +36,15 @@ from tandem.delta_sync.stores.base import Store, nothing_published
 log = structlog.get_logger()
 
 Step = tuple[int, int | None]  # (version, base version or None for its anchor payload)
+
+
+def _mapped(path: Path) -> memoryview:
+    """A cached shard, memory-mapped read-only: a version staged through `cache_dir` (an
+    anchor of a model larger than memory) lives in the page cache, not in the process."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 class Prepared:
@@ -118,7 +129,9 @@ class Subscriber:
     plus one catch-up delta; `cache_dir` keeps verified shards on disk so an interrupted
     prepare resumes without downloading them again (in memory otherwise). `parts` limits
     the pull to the tensors of those parts of a version published per rank (default: all,
-    reassembled into one state).
+    reassembled into one state). With `cache_dir`, staged shards are memory-mapped from
+    there, so preparing an anchor of a model larger than memory needs only a few shards of
+    the process's own memory.
     """
 
     def __init__(
@@ -225,13 +238,13 @@ class Subscriber:
     def clear_cache(self) -> None:
         self._shards.clear()
 
-    def _fetch(self, key: str, digest: str, where: str) -> tuple[bytes, bool]:
+    def _fetch(self, key: str, digest: str, where: str) -> tuple[bytes | memoryview, bool]:
         """(verified shard bytes, whether they came from a cache)."""
         if key in self._shards:
             return self._shards[key], True
         cached = self.cache_dir / key if self.cache_dir is not None else None
         if cached is not None and cached.is_file():
-            data = cached.read_bytes()
+            data = _mapped(cached)
             if shard_digest(data) == digest:
                 return data, True
         try:
@@ -251,11 +264,11 @@ class Subscriber:
             try:
                 tmp.write_bytes(data)
                 tmp.replace(cached)
+                return _mapped(cached), False  # staged from the page cache, not from memory
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 raise StoreError(f"{where}: cannot write the shard cache {cached}: {e}") from e
-        else:
-            self._shards[key] = data
+        self._shards[key] = data
         return data, False
 
     def prepare(self, version: int | None = None) -> Prepared:
@@ -283,7 +296,7 @@ class Subscriber:
                 for i, ref in enumerate(payload.shards):
                     where = f"version {v} ({what}) shard {i} ({ref.key})"
                     jobs.append((layer, ref.key, ref.digest, where))
-        layers: list[tuple[bool, list[tuple[bytes, str]]]] = [
+        layers: list[tuple[bool, list[tuple[bytes | memoryview, str]]]] = [
             (base is None, []) for _, base in path
         ]
         downloaded = cached = 0
