@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,13 +57,37 @@ def run_eval(config: PipelineConfig, args: argparse.Namespace) -> int:
 
 
 def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
+    """RL from the run's policy; Ctrl-C or SIGTERM stops at a step with a checkpoint, and the
+    same command again resumes from it."""
     from tandem.orchestrator import reinforce, save_policy
+    from tandem.orchestrator.rl.hooks import RunHooks
 
     model = _load(config)
     if model is None:
         return 2
     rl_dir = config.run_dir / "rl"
-    summary = reinforce(model, config, progress=sys.stderr.isatty())
+    stopped: list[tuple[int, int]] = []
+    hooks = RunHooks(
+        stop_signals=(signal.SIGINT, signal.SIGTERM),
+        on_stop=lambda sig, steps: stopped.append((sig, steps)),
+    )
+    try:
+        summary = reinforce(model, config, progress=sys.stderr.isatty(), hooks=hooks)
+    except KeyboardInterrupt:  # while starting, or a second Ctrl-C: no checkpoint written now
+        print(
+            f"tandem train: interrupted; the same command resumes from the last checkpoint "
+            f"in {rl_dir / 'checkpoints'}, if any",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
+    if stopped:
+        sig, steps = stopped[0]
+        print(
+            f"tandem train: stopped by {signal.Signals(sig).name} after {steps} steps; "
+            f"checkpoint in {rl_dir / 'checkpoints'}; the same command resumes from it",
+            file=sys.stderr,
+        )
+        return 128 + sig
     save_policy(model, config.run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
     _train_report(config, rl_dir, summary)
     print(

@@ -2,15 +2,21 @@
 
 The run's driver keeps a `PoolControl` actor named after the run on its Ray cluster and
 follows its target within a second: new workers start with one catch-up pull of the weights,
-leaving ones are drained (they finish their groups and get no new one). This command only
-changes the target, so it works from any machine that can reach the cluster.
+leaving ones are drained (they finish their groups and get no new one); a worker the
+cluster has no room for stays pending until a node joins or another worker leaves. This
+command only changes the target and reports what the driver reports, so it works from any
+machine that can reach the cluster.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import time
+from typing import Any
+
+SETTLE_S = 5.0
+"""How long `add`/`remove` wait for the driver to act on the new target before reporting."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -29,17 +35,15 @@ def run_workers(args: argparse.Namespace) -> int:
     if args.count < 1:
         print(f"tandem workers: count must be >= 1, got {args.count}", file=sys.stderr)
         return 2
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # a client ships no code
     import ray
 
-    from tandem.orchestrator import RAY_NAMESPACE, pool_name
+    from tandem.orchestrator import RAY_NAMESPACE, ConfigValueError, pool_name
+    from tandem.orchestrator.backends.ray.cluster import join
 
     try:
-        ray.init(address=args.address, namespace=RAY_NAMESPACE, log_to_driver=False)
-    except (ConnectionError, RuntimeError) as e:
-        print(
-            f"tandem workers: cannot reach a Ray cluster at {args.address!r}: {e}", file=sys.stderr
-        )
+        join(args.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    except ConfigValueError as e:
+        print(f"tandem workers: {e}", file=sys.stderr)
         return 2
     try:
         try:
@@ -53,7 +57,52 @@ def run_workers(args: argparse.Namespace) -> int:
             return 2
         delta = {"add": args.count, "remove": -args.count, "show": 0}[args.action]
         target = ray.get(control.resize.remote(delta))
-        print(f"run {args.run}: {target} rollout workers")
+        status = _settled(control, target) if delta else ray.get(control.status.remote())
+        print(f"run {args.run}: {describe(status)}")
+        short = unplaceable(status, ray.available_resources())
+        if short:
+            print(f"tandem workers: warning: {short}", file=sys.stderr)
         return 0
     finally:
         ray.shutdown()
+
+
+def _settled(control: Any, target: int) -> dict[str, Any]:
+    """The driver's report once it has acted on ``target`` (or after `SETTLE_S`)."""
+    import ray
+
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        status = ray.get(control.status.remote())
+        if status["running"] + status["pending"] == target or time.monotonic() > deadline:
+            return status
+        time.sleep(0.25)
+
+
+def describe(status: dict[str, Any]) -> str:
+    """``3 rollout workers wanted: 2 running, 1 pending``."""
+    line = f"{status['target']} rollout workers wanted: {status['running']} running"
+    return line + (f", {status['pending']} pending" if status["pending"] else "")
+
+
+def unplaceable(status: dict[str, Any], free: dict[str, float]) -> str:
+    """Why the pending workers cannot be placed now ('' when the cluster has room for
+    them): each declares `PoolControl.worker_resources`, which the free resources lack."""
+    pending = status["pending"]
+    if not pending:
+        return ""
+    lacking = [
+        f"{amount:g} {kind}"
+        for kind, amount in status["worker_resources"].items()
+        if amount and free.get(kind, 0.0) + 1e-9 < amount
+    ]
+    if not lacking:
+        return ""
+    have = ", ".join(
+        f"{free.get(k, 0.0):g} {k}" for k, v in status["worker_resources"].items() if v
+    )
+    return (
+        f"{pending} rollout worker(s) pending: each declares {' and '.join(lacking)} and the "
+        f"cluster has {have} free; they start when a node joins or a worker leaves "
+        "(or lower rl.ray.worker_cpus / worker_gpus in the run's config)"
+    )

@@ -8,13 +8,17 @@ imports only their protocols, the wire types and the config.
 
 Checkpoints every ``checkpoint_every`` steps hold the weights, the optimizer, the policy
 version, the task cursor and the RNGs; a run killed at any instant (SIGKILL included)
-resumes from the last one with no repeated or skipped step, on a fresh weight stream.
+resumes from the last one with no repeated or skipped step, on a fresh weight stream. A run
+asked to stop (`RunHooks.stop_signals`) finishes the step in training or abandons the one
+waiting for groups, and checkpoints the last finished step before it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,9 @@ from tandem.orchestrator.runtime.threads import torch_threads
 from tandem.orchestrator.wire import Group
 
 log = structlog.get_logger()
+
+SIGNAL_ECHO_S = 2.0
+"""A stop signal repeated within this many seconds is the same request, not a second one."""
 
 
 class RLRun:
@@ -115,23 +122,33 @@ class RLRun:
         return stats, report
 
     async def _take_checked(
-        self, schedule: Schedule, step: int, background: list[asyncio.Task[Any]]
-    ) -> list[Group]:
-        """The step's groups, surfacing a crashed engine or worker instead of waiting forever."""
+        self,
+        schedule: Schedule,
+        step: int,
+        background: list[asyncio.Task[Any]],
+        stop: asyncio.Event,
+    ) -> list[Group] | None:
+        """The step's groups, surfacing a crashed engine or worker instead of waiting forever;
+        None when the run was asked to stop first (the step is abandoned)."""
         take = asyncio.create_task(schedule.take(step))
+        stopping = asyncio.create_task(stop.wait())
         while True:
             try:
                 done, _ = await asyncio.wait(
-                    [take, *background], return_when=asyncio.FIRST_COMPLETED
+                    [take, stopping, *background], return_when=asyncio.FIRST_COMPLETED
                 )
             except asyncio.CancelledError:
-                await cancel_and_wait([take])
+                await cancel_and_wait([take, stopping])
                 raise
             if take in done:
+                await cancel_and_wait([stopping])
                 return take.result()
+            if stopping in done:
+                await cancel_and_wait([take])
+                return None
             for task in done:
                 if task.exception() is not None:
-                    take.cancel()
+                    await cancel_and_wait([take, stopping])
                     raise task.exception()  # type: ignore[misc]
             background[:] = [t for t in background if t not in done]
 
@@ -146,6 +163,38 @@ class RLRun:
             task_cursor=cursor["cursor"],
             extra={"stream": self.stream, "curriculum": cursor["curriculum"]},
         )
+
+    def _catch_signals(self, stop: asyncio.Event) -> list[int]:
+        """Set ``stop`` on the first of `RunHooks.stop_signals`; the same signal again is
+        handled as if the run did not catch it (quits at once). Returns the list the signal
+        received is appended to.
+
+        A copy arriving within `SIGNAL_ECHO_S` is the same request: Ctrl-C reaches both
+        ``uv run`` and this process, and uv forwards it once more."""
+        loop = asyncio.get_running_loop()
+        received: list[int] = []
+        first: list[float] = []
+
+        def on_signal(sig: int) -> None:
+            if stop.is_set():
+                if first and time.monotonic() - first[0] < SIGNAL_ECHO_S:
+                    return
+                loop.remove_signal_handler(sig)
+                os.kill(os.getpid(), sig)
+                return
+            first.append(time.monotonic())
+            received.append(sig)
+            stop.set()
+            log.warning(
+                "rl.stopping",
+                signal=signal.Signals(sig).name,
+                step=self.step,
+                hint="the step in training finishes, then a checkpoint; again to quit at once",
+            )
+
+        for sig in self.hooks.stop_signals:
+            loop.add_signal_handler(sig, on_signal, sig)
+        return received
 
     # -- the run -----------------------------------------------------------------------------
     async def _run(self, backend: Backend) -> RunSummary:
@@ -172,13 +221,15 @@ class RLRun:
         bar = StepProgress(self.rl.steps, self.step, enabled=self.progress)
         last: dict[str, Any] = {}
         rollout_t0 = time.perf_counter()
+        stop = asyncio.Event()
+        stopped_by = self._catch_signals(stop)
         try:
             background = await rollouts.start(follow=self.rl.mode == "async")
             own = schedule.start()
             background += own
             rollout_t0 = time.perf_counter()
             rollout_tok0 = (await rollouts.stats()).tokens_sampled
-            while self.step < self.rl.steps:
+            while self.step < self.rl.steps and not stop.is_set():
                 t0 = time.perf_counter()
                 budget = None
                 if self.max_wall_s is not None:
@@ -190,7 +241,7 @@ class RLRun:
                     # A policy that never varies its reward yields no informative group: the
                     # wall-clock budget must also bound the wait for data.
                     groups = await asyncio.wait_for(
-                        self._take_checked(schedule, self.step, background), timeout=budget
+                        self._take_checked(schedule, self.step, background, stop), timeout=budget
                     )
                 except TimeoutError:
                     log.info(
@@ -199,6 +250,9 @@ class RLRun:
                         waiting_for="informative groups",
                         filtered=source.signal.filtered,
                     )
+                    break
+                if groups is None:
+                    log.info("rl.step_abandoned", step=self.step, waiting_for="groups")
                     break
                 t_wait = time.perf_counter() - t0  # the trainer idles while it waits for data
                 async with self.publishing.busy:
@@ -238,7 +292,11 @@ class RLRun:
                 bar.advance(stats)
                 if self.step % self.rl.checkpoint_every == 0 or self.step == self.rl.steps:
                     self._checkpoint(backend, schedule)
+            if stop.is_set() and self.step > (self.checkpoints.latest_step() or 0):
+                self._checkpoint(backend, schedule)
         finally:
+            for sig in self.hooks.stop_signals:
+                asyncio.get_running_loop().remove_signal_handler(sig)
             bar.close()
             await cancel_and_wait(own)
             await schedule.close()
@@ -246,6 +304,8 @@ class RLRun:
             t_end = time.perf_counter()
             await backend.close()
             metrics.close()
+        if stopped_by and self.hooks.on_stop is not None:
+            self.hooks.on_stop(stopped_by[0], self.step)
         return RunSummary(
             steps_done=self.step,
             policy_version=self.version,

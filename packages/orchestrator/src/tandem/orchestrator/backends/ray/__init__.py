@@ -62,7 +62,8 @@ def build(
         )
     rl, engine = config.rl, config.engine
     own = connect(rl.ray)
-    check_cluster_fits(rl, config.trainer.processes, started_here=own)
+    # a joined cluster may still grow: a shortfall there is a warning, not an error
+    check_cluster_fits(rl, config.trainer.processes, started_here=own and not rl.ray.address)
     # the KL reference is the policy the run started from, before any checkpoint
     reference = state_for_sync(policy) if config.trainer.loss.kl_coef > 0 else None
     reference = None if reference is None else {k: v.clone() for k, v in reference.items()}

@@ -1,7 +1,7 @@
 """Joining or starting the Ray cluster a run uses, and checking that its actors fit.
 
 A cluster started here runs its workers with this very interpreter and logs at the driver's
-level; a joined cluster is taken as it is. An actor whose resources the cluster lacks is
+level; a joined cluster is taken as it is, with its token authentication (`auth`). An actor whose resources the cluster lacks is
 never scheduled and the run would wait for it without a word, so the demands are summed
 and checked at start.
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from tandem.orchestrator.backends.ray.auth import unreachable, use_token_if_available
 from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE
 from tandem.orchestrator.config import ConfigValueError, RayConfig, RLConfig
 
@@ -21,11 +22,13 @@ log = structlog.get_logger()
 
 
 def connect(config: RayConfig) -> bool:
-    """Join ``config.address``, or start a cluster here; True when this call started Ray."""
-    if not config.address:
-        # A cluster started here runs its workers with this very interpreter: Ray's
-        # `uv run` hook (re-creating the environment per worker) would only slow them.
-        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    """Join ``config.address``, or start a cluster here; True when this call initialized Ray
+    (either way: the caller then shuts it down). Whether it started the cluster is
+    ``not config.address``.
+
+    A join uses the cluster's token authentication when this machine has a token (see
+    `auth`); a cluster that cannot be joined is a `ConfigValueError` saying what to set."""
+    no_uv_hook()
     import ray
 
     if ray.is_initialized():
@@ -34,12 +37,35 @@ def connect(config: RayConfig) -> bool:
     level = driver_log_level()
     if level:
         kwargs["runtime_env"] = {"worker_process_setup_hook": log_from(level)}
-    if config.address:
-        kwargs["address"] = config.address
-    elif config.num_cpus:
-        kwargs["num_cpus"] = config.num_cpus
-    ray.init(**kwargs)
+    if not config.address:
+        if config.num_cpus:
+            kwargs["num_cpus"] = config.num_cpus
+        ray.init(**kwargs)
+        return True
+    del kwargs["include_dashboard"]  # a joining driver starts no processes of its own
+    join(config.address, **kwargs)
     return True
+
+
+def join(address: str, **kwargs: Any) -> None:
+    """``ray.init`` on the cluster at ``address``, with its token when this machine has one;
+    a `ConfigValueError` in one line when the cluster cannot be joined."""
+    no_uv_hook()
+    import ray
+
+    mode = use_token_if_available()
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
+        log.debug("ray.join_failed", address=address, error=str(e)[:300])
+        raise ConfigValueError(unreachable(address, mode)) from None
+
+
+def no_uv_hook() -> None:
+    """Workers run with the interpreter of their node's `uv run ray start` (every node holds
+    the repository), or with this one on a cluster started here: Ray's `uv run` hook would
+    ship this directory and re-create the environment for each worker."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def driver_log_level() -> int:
@@ -94,6 +120,11 @@ def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bo
                 f"{what}: lower those values, or set rl.ray.num_cpus (0: all of this "
                 "machine's CPUs), or join a larger cluster with rl.ray.address"
             )
-        log.warning("ray.resources_short", detail=what, hint="actors wait until nodes join")
+        log.warning(
+            "ray.resources_short",
+            detail=what,
+            hint="the actors that do not fit wait until nodes join; lower those values to run "
+            "on this cluster as it is",
+        )
         short.append(what)
     return short

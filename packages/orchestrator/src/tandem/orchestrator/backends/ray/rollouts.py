@@ -43,10 +43,14 @@ def pool_name(run_name: str) -> str:
 
 class PoolControl:
     """A named actor holding how many rollout workers the run should have (``tandem
-    workers add/remove`` changes it; the driver follows)."""
+    workers add/remove`` changes it; the driver follows) and what the driver last reported:
+    workers running, and workers asked for that have not started yet (pending: waiting for
+    the cluster to place them, or building their engine)."""
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, target: int, worker_resources: dict[str, float] | None = None) -> None:
         self.target = target
+        self.worker_resources = worker_resources or {}
+        self.running = self.pending = 0
 
     def resize(self, delta: int) -> int:
         self.target = max(1, self.target + delta)
@@ -54,6 +58,17 @@ class PoolControl:
 
     def get(self) -> int:
         return self.target
+
+    def report(self, running: int, pending: int) -> None:
+        self.running, self.pending = running, pending
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "running": self.running,
+            "pending": self.pending,
+            "worker_resources": self.worker_resources,
+        }
 
 
 @dataclass
@@ -79,7 +94,8 @@ class RayRollouts:
     _started_ray: bool = False
     _names: Any = field(default_factory=lambda: itertools.count())
     _stats: dict[str, RolloutStats] = field(default_factory=dict)
-    _spawning: int = 0
+    _pending: dict[str, Any] = field(default_factory=dict)  # actors asked for, not started
+    _droppable: set[str] = field(default_factory=set)  # of those, the ones for the target
     _changes: set[asyncio.Task[Any]] = field(default_factory=set)
     assigned: dict[str, int] = field(default_factory=dict)  # groups handed to each worker
     env_pools: list[Any] = field(default_factory=list)  # environment-pool actor handles
@@ -102,12 +118,23 @@ class RayRollouts:
                 get_if_exists=True,
                 num_cpus=0,
             )
-            .remote(self.config.workers)
+            .remote(self.config.workers, self.worker_resources)
         )
         await self.control.resize.remote(self.config.workers - await self.control.get.remote())
         await self._start_env_pools()
-        await asyncio.gather(*(self.add_worker() for _ in range(self.config.workers)))
+        await self._first_workers(self.config.workers)
         return [asyncio.create_task(self._watch())]
+
+    async def _first_workers(self, count: int) -> None:
+        """Start ``count`` workers and return once one plays: on a joined cluster short of
+        resources the others stay pending (see ``tandem workers show``) until it grows."""
+        starting = {asyncio.create_task(self.add_worker(for_target=True)) for _ in range(count)}
+        while not self.workers:
+            done, starting = await asyncio.wait(starting, return_when=asyncio.FIRST_COMPLETED)
+            failed = [t.exception() for t in done if t.exception() is not None]
+            if not starting and not self.workers:
+                raise failed[0] if failed else RuntimeError("no rollout worker started")
+        self._changes.update(asyncio.create_task(self._logged(t)) for t in starting)
 
     async def _start_env_pools(self) -> None:
         """The environment-pool actors every rollout actor runs its sandboxes in (if any)."""
@@ -127,6 +154,11 @@ class RayRollouts:
         return list(await asyncio.gather(*(h.stats.remote() for h in self.env_pools)))
 
     @property
+    def worker_resources(self) -> dict[str, float]:
+        """What each rollout actor declares (Ray resource names)."""
+        return {"CPU": self.config.worker_cpus, "GPU": self.config.worker_gpus}
+
+    @property
     def live(self) -> list[_Worker]:
         return [w for w in self.workers if not w.draining]
 
@@ -142,8 +174,10 @@ class RayRollouts:
         Leaving workers are drained: they finish their groups and get no new ones."""
         return int(await self.control.resize.remote(delta))
 
-    async def add_worker(self) -> str:
-        """Start one more actor; it takes groups once it holds the newest version."""
+    async def add_worker(self, *, for_target: bool = False) -> str:
+        """Start one more actor; it takes groups once it holds the newest version. One the
+        pool starts to reach `PoolControl`'s target (``for_target``) is dropped while still
+        pending when the target is lowered."""
         name = f"rollout-{next(self._names)}"
         handle = self._cls.options(
             num_cpus=self.config.worker_cpus,
@@ -152,13 +186,20 @@ class RayRollouts:
             name=f"{self.run_name}-{self.stream}-{name}",
             namespace=RAY_NAMESPACE,
         ).remote(self.spec, name, self.config.torch_threads, self.config.poll_s)
-        self._spawning += 1
+        self._pending[name] = handle
+        if for_target:
+            self._droppable.add(name)
         try:
             # a worker joining a pool that does not follow starts on the pool's version, so a
             # replaced worker replays its groups on the weights they were meant for
             version = await handle.start.remote(self._follow, self._pinned)
+        except Exception:
+            if name not in self._pending:  # cancelled (`_cancel_pending`)
+                return name
+            raise
         finally:
-            self._spawning -= 1
+            self._pending.pop(name, None)
+            self._droppable.discard(name)
         self.workers.append(_Worker(name, handle, version=version))
         self._record_size()
         log.info("ray.worker_added", worker=name, version=version, pool=len(self.workers))
@@ -212,12 +253,26 @@ class RayRollouts:
             except Exception as e:
                 log.warning("ray.pool_control_unreachable", error=str(e)[:200])
                 continue
-            have = len(self.live) + self._spawning
+            have = len(self.live) + len(self._pending)
             if have < target and (self.config.replace_lost or not self.lost):
-                self._changes.add(asyncio.create_task(self._logged(self.add_worker())))
+                work = self.add_worker(for_target=True)
+                self._changes.add(asyncio.create_task(self._logged(work)))
+            elif have > target and self._droppable:
+                self._cancel_pending(self._droppable.pop())
             elif have > target and len(self.live) > 1:
                 self._changes.add(asyncio.create_task(self._logged(self.remove_worker())))
             self._changes = {t for t in self._changes if not t.done()}
+            with contextlib.suppress(Exception):
+                await self.control.report.remote(len(self.live), len(self._pending))
+
+    def _cancel_pending(self, name: str) -> None:
+        """Shrink the pool by an actor that has not started (it may never have been placed),
+        rather than by a worker that is playing."""
+        import ray
+
+        handle = self._pending.pop(name)
+        ray.kill(handle, no_restart=True)  # its `start` fails; `add_worker` drops it
+        log.info("ray.worker_cancelled", worker=name, pool=len(self.workers))
 
     @staticmethod
     async def _logged(work: Any) -> None:
@@ -291,6 +346,8 @@ class RayRollouts:
     async def close(self) -> None:
         import ray
 
+        while self._pending:
+            self._cancel_pending(next(iter(self._pending)))
         # rollout actors first: their episodes' sandboxes may live in the pools
         for handle in [*(w.handle for w in self.workers), *self.env_pools]:
             with contextlib.suppress(Exception):
