@@ -7,6 +7,7 @@ groups, and process 0 saves the updated parameters and the metrics to ``argv[1]`
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -66,9 +67,18 @@ def main(out: str, parallel: str) -> None:
     if accelerator.is_main_process:
         torch.save({"params": params, "metrics": metrics, "rows": local.num_sequences}, out)
     accelerator.wait_for_everyone()
-    # leave the group before exit: gloo's threads outliving the interpreter abort the process
     accelerator.end_training()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # End here, without the interpreter's teardown. Under FSDP, DTensor's global caches
+    # (sharding propagation, redistribute plans) keep the device mesh, and through it the
+    # gloo process group, alive after `destroy_process_group`: its worker threads
+    # (`pt_gloo_runloop`, `gloo_tcp_loop`) are still running when the interpreter finalizes,
+    # and one touching a Python-owned tensor then aborts the process ("terminate called
+    # without an active exception", SIGABRT). Everything this process owes is done: the
+    # result is written and every rank has left the group.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
