@@ -60,7 +60,7 @@ def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
     """RL from the run's policy; Ctrl-C or SIGTERM stops at a step with a checkpoint, and the
     same command again resumes from it."""
     from tandem.orchestrator import reinforce, save_policy
-    from tandem.orchestrator.rl.hooks import RunHooks
+    from tandem.orchestrator import RunHooks
 
     model = _load(config)
     if model is None:
