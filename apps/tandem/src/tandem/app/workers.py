@@ -37,11 +37,10 @@ def run_workers(args: argparse.Namespace) -> int:
         return 2
     import ray
 
-    from tandem.orchestrator import RAY_NAMESPACE, ConfigValueError, pool_name
-    from tandem.orchestrator.backends.ray.cluster import join
+    from tandem.orchestrator import RAY_NAMESPACE, ConfigValueError, join_cluster, pool_name
 
     try:
-        join(args.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        join_cluster(args.address, namespace=RAY_NAMESPACE, log_to_driver=False)
     except ConfigValueError as e:
         print(f"tandem workers: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         plot_rewards,
         write_report,
     )
+    from tandem.orchestrator.backends.ray.cluster import join_cluster
     from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE
     from tandem.orchestrator.backends.ray.rollouts import pool_name
     from tandem.orchestrator.config import ConfigValueError, RunConfig, RunSettings
@@ -56,6 +57,7 @@ _HOME = {
     "build_model": "policy",
     "evaluate_policy": "stages",
     "fmt": "artifacts.report",
+    "join_cluster": "backends.ray.cluster",
     "load_policy": "policy",
     "markdown_table": "artifacts.report",
     "midtrain_policy": "stages",
@@ -82,6 +84,7 @@ __all__ = [
     "build_model",
     "evaluate_policy",
     "fmt",
+    "join_cluster",
     "load_policy",
     "markdown_table",
     "midtrain_policy",

@@ -43,11 +43,11 @@ def connect(config: RayConfig) -> bool:
         ray.init(**kwargs)
         return True
     del kwargs["include_dashboard"]  # a joining driver starts no processes of its own
-    join(config.address, **kwargs)
+    join_cluster(config.address, **kwargs)
     return True
 
 
-def join(address: str, **kwargs: Any) -> None:
+def join_cluster(address: str, **kwargs: Any) -> None:
     """``ray.init`` on the cluster at ``address``, with its token when this machine has one;
     a `ConfigValueError` in one line when the cluster cannot be joined."""
     no_uv_hook()
