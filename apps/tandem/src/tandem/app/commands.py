@@ -59,8 +59,7 @@ def run_eval(config: PipelineConfig, args: argparse.Namespace) -> int:
 def run_train(config: PipelineConfig, args: argparse.Namespace) -> int:
     """RL from the run's policy; Ctrl-C or SIGTERM stops at a step with a checkpoint, and the
     same command again resumes from it."""
-    from tandem.orchestrator import reinforce, save_policy
-    from tandem.orchestrator import RunHooks
+    from tandem.orchestrator import RunHooks, reinforce, save_policy
 
     model = _load(config)
     if model is None:
