@@ -7,6 +7,8 @@ each in a fresh process so that its peak memory is its own:
     anchor publish   Publisher(base_dir=...) publishes version 0 from the memory-mapped file
     delta publish    the same publisher publishes version 1 against it
     delta pull       an engine at version 0 (a memory-mapped copy, patched in place) pulls 1
+                     through a shard cache directory (shards and decoded streams staged
+                     in files there, memory-mapped)
     anchor pull      a fresh engine (a memory-mapped empty file) pulls version 0 through a
                      shard cache directory (staged shards memory-mapped, not in memory)
 
@@ -165,9 +167,10 @@ def child(role: str, d: Path, workers: int) -> dict:
     elif role == "delta_pull":
         shutil.copyfile(d / "v0.safetensors", d / "engine.safetensors")
         engine, _ = load_safetensors(d / "engine.safetensors", mmap_mode="r+")
-        with Subscriber(store, version=0, workers=workers) as sub:
+        with Subscriber(store, version=0, workers=workers, cache_dir=d / "cache") as sub:
             report, out[role] = timed(lambda: sub.pull(engine))
         out[role]["bytes"] = report.downloaded_bytes
+        shutil.rmtree(d / "cache")
         v1, _ = load_safetensors(d / "v1.safetensors", mmap_mode="r")
         out[role]["exact"] = same_bits(engine, v1)
         del engine

@@ -2,7 +2,9 @@
 
 Needs root (network namespaces, `tc tbf`, a round-trip proxy: `tandem.delta_sync.testing`).
 For each topology the trainer publishes an anchor, which every engine already holds (as
-after an earlier pull; the relays' caches start empty), then:
+after an earlier pull; the relays' caches start empty), and one step is published and
+pulled (so kept-alive connections, engine to relay to origin, are open as in steady
+state), then:
 
     delta   publish the next version (~2% of the weights moved by an ulp or two), time from
             the start of publish to every engine holding it, bit-exact
@@ -56,14 +58,14 @@ TOPOLOGIES = {
 
 
 def states(mb: int, changed: float, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Three versions: v0, then two steps each moving `changed` of the weights by 1-2 ulps."""
+    """Four versions: v0, then three steps each moving `changed` of the weights by 1-2 ulps."""
     rng = np.random.default_rng(seed)
     v0 = {
         k: (rng.standard_normal(s, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
         for k, s in moe_shapes(mb << 20).items()
     }
     out = [v0]
-    for _ in range(2):
+    for _ in range(3):
         nxt = {k: a.copy() for k, a in out[-1].items()}
         for a in nxt.values():
             bits = a.reshape(-1).view(np.uint16)
@@ -108,7 +110,7 @@ def run_topology(name: str, topo: Topology, versions, codec: Codec, args, full: 
     ):
         pub = Publisher(
             LocalStore(w.origin_dir),
-            anchor_every=2,
+            anchor_every=3,
             workers=args.workers,
             shard_bytes=SHARD,
             chunk_bytes=SHARD // 2,
@@ -117,21 +119,25 @@ def run_topology(name: str, topo: Topology, versions, codec: Codec, args, full: 
         for e in w.engines:  # engines that pulled version 0 earlier: their relays start empty
             e.state = {k: a.copy() for k, a in versions[0].items()}
             e.sub.version = 0
+        pub.publish(1, versions[1])  # a step before: connections open as in steady state
+        assert all(r.get("digest") == bits_digest(versions[1]) for r in w.pull_all(timeout=900))
+        w.poll()  # polling engines
         t0 = time.time()
-        report = pub.publish(1, versions[1])
+        report = pub.publish(2, versions[2])
         results = w.pull_all(timeout=900)
         delta_s = max(r["done"] for r in results) - t0
-        assert all(r.get("digest") == bits_digest(versions[1]) for r in results), results
+        assert all(r.get("digest") == bits_digest(versions[2]) for r in results), results
         row = {"delta_s": delta_s, "delta_bytes": report.step_bytes}
         if full:  # the next version as a full snapshot to engines starting from nothing
             for e in w.engines:
                 e.sub.version, e.state = None, None
+            w.poll()
             t0 = time.time()
-            report = pub.publish(2, versions[2])  # an anchor (anchor_every=2)
+            report = pub.publish(3, versions[3])  # an anchor (anchor_every=3)
             results = w.pull_all(timeout=1800)
             row["full_s"] = max(r["done"] for r in results) - t0
             row["full_bytes"] = next(p.nbytes for p in report.payloads if p.kind == "full")
-            assert all(r.get("digest") == bits_digest(versions[2]) for r in results), results
+            assert all(r.get("digest") == bits_digest(versions[3]) for r in results), results
         pub.close()
     s = scenario_of(topo, dense, args.changed, args.workers)
     row["plan_s"] = plan(s, codec, payload=row["delta_bytes"]).total_s

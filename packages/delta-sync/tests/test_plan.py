@@ -68,7 +68,7 @@ def test_one_region_plan_by_hand() -> None:
     assert math.isclose(p.delta_bytes, d)
     prepare = max(8e9 / 8e9, d / (25 * GBIT)) + 0.01  # 4 cores x 2 GB/s
     waves = math.ceil(math.ceil(d / (32 << 20)) / 8)
-    fetch = 0.4 + waves * 0.2 + max(d / GBIT, 2 * d / (10 * GBIT))  # latest+manifest, shards
+    fetch = 0.1 + waves * 0.1 + max(d / GBIT, 2 * d / (10 * GBIT))  # latest+manifest, shards
     assert math.isclose(p.total_s, prepare + fetch + 0.5)  # apply: 8 GB at 16 x 1 GB/s
     assert p.bottleneck == "trainer encode" and p.uplink_bytes == d
 

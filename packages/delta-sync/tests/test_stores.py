@@ -18,6 +18,7 @@ from tandem.delta_sync import (
     Subscriber,
     open_store,
 )
+from tandem.delta_sync.server import StoreServer
 
 
 def _contract(store) -> None:
@@ -113,3 +114,29 @@ def test_open_store_understands_urls(tmp_path) -> None:
     assert isinstance(open_store("http://127.0.0.1:1/x"), HttpStore)
     s3 = open_store("s3://bucket/a/b", endpoint_url="http://127.0.0.1:1")
     assert isinstance(s3, S3Store) and s3.bucket == "bucket" and s3.prefix == "a/b"
+
+
+def test_http_store_keeps_connections_alive_and_outlives_a_server_restart(tmp_path) -> None:
+    LocalStore(tmp_path).put("shards/ab/x.tds", b"x" * 5000)
+    accepted: list[int] = []
+
+    def counting(server: StoreServer) -> StoreServer:
+        serve = server.httpd.process_request
+        server.httpd.process_request = lambda *a: (accepted.append(1), serve(*a))[1]  # type: ignore[method-assign]
+        return server.start()
+
+    server = counting(StoreServer(tmp_path))
+    port = server.httpd.server_address[1]
+    store = HttpStore(server.url, retries=0)
+    try:
+        for _ in range(5):
+            assert store.get("shards/ab/x.tds") == b"x" * 5000
+        assert store.exists("shards/ab/x.tds") and not store.exists("shards/ab/y.tds")
+        assert len(accepted) == 1  # seven requests, one connection
+        server.stop()  # its kept-alive connection is closed with it
+        server = counting(StoreServer(tmp_path, port=port))
+        assert store.get("shards/ab/x.tds") == b"x" * 5000  # no retry left: reconnected
+        assert len(accepted) == 2
+    finally:
+        store.close()
+        server.stop()

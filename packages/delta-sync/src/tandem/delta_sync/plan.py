@@ -5,10 +5,10 @@ The model follows what the code does, stage by stage:
 1. The trainer encodes the whole state (every chunk is compared) at the measured encode
    throughput per core, streaming shards to the origin store as they fill.
 2. The version becomes visible (manifest, then `latest`) only when every shard is in.
-3. Every engine (or its region's relay) then asks for `latest`, the manifest, and the
-   shards, `download_workers` at a time; each request on a new connection costs two round
-   trips (TCP handshake, request) before its first byte. A relay takes each shard from the
-   origin once and serves it to its engines as it arrives.
+3. Every engine (or its region's relay) then asks for `latest` together with the next
+   version's manifest, then for the shards, `download_workers` at a time, over kept-alive
+   connections (open from polling `latest`): one round trip each before its first byte. A relay takes each shard from the
+   origin once and serves it to its engines once it is in.
 4. Links share their rate fairly between the flows crossing them (max-min, water-filling):
    the trainer's uplink between the regions pulling at once, a region's link between its
    engines when there is no relay.
@@ -148,7 +148,9 @@ def plan(s: Scenario, codec: Codec, *, payload: float | None = None, full: bool 
         pos += f
         rtt = r.rtt_ms / 1e3
         waves = math.ceil(shards / s.download_workers)
-        latency = 2 * (2 * rtt) + waves * 2 * rtt  # latest, manifest, then the shard waves
+        # kept-alive connections (open from polling): one round trip for `latest` and the
+        # next version's manifest (asked for together), then one per wave of shards
+        latency = rtt + waves * rtt
         wire = d / (rate * GBIT)
         fan_out = r.engines * d / (r.in_region_gbit * GBIT) if r.relay else 0.0
         fetch = latency + max(wire, fan_out)

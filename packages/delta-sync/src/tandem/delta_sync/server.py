@@ -8,8 +8,10 @@ refused. An origin that fails behind a relay answers 502, which HttpStore retrie
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
+import socket
 import socketserver
 import threading
 import urllib.parse
@@ -28,8 +30,20 @@ log = structlog.get_logger()
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "delta-sync"
-    protocol_version = "HTTP/1.1"
+    protocol_version = "HTTP/1.1"  # keep-alive: a long link's round trip is paid once
+    timeout = 300  # an idle kept-alive connection is closed after this many seconds
     store: Store
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.track(self.connection, False)
 
     def _key(self) -> str | None:
         key = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path.lstrip("/"))
@@ -98,6 +112,28 @@ class _Server(ThreadingHTTPServer):
     def server_bind(self) -> None:
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        self._dropped = False
+
+    def track(self, conn: socket.socket, open_: bool) -> None:
+        with self._open_lock:
+            if not open_:
+                self._open.discard(conn)
+                return
+            if not self._dropped:
+                self._open.add(conn)
+                return
+        conn.shutdown(socket.SHUT_RDWR)  # accepted as the server stopped
+
+    def drop_connections(self) -> None:
+        """A stopped server answers nothing more, on kept-alive connections either: each is
+        shut down, so its clients see it closed and connect again (to a restarted server)."""
+        with self._open_lock:
+            conns, self._open, self._dropped = list(self._open), set(), True
+        for conn in conns:
+            with contextlib.suppress(OSError):  # already closed by its client
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 class StoreServer:
@@ -140,6 +176,7 @@ class StoreServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.httpd.drop_connections()
         if self._thread is not None:
             self._thread.join()
 

@@ -13,6 +13,7 @@ anchor's worth of bytes.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -31,6 +32,7 @@ from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundErr
 from tandem.delta_sync.manifest import Manifest, decode_manifest, manifest_key, read_latest
 from tandem.delta_sync.parallel import KeptPool, default_workers, ordered_map
 from tandem.delta_sync.reports import PullReport
+from tandem.delta_sync.spill import Spill
 from tandem.delta_sync.stores.base import Store, nothing_published
 
 log = structlog.get_logger()
@@ -70,6 +72,7 @@ class Prepared:
         self.downloaded_bytes = downloaded
         self.cached_bytes = cached
         self.prepare_seconds = prepare_seconds
+        self.spilled_bytes = 0  # staged streams moved to a file in `cache_dir`
 
     @property
     def staged_bytes(self) -> int:
@@ -130,8 +133,9 @@ class Subscriber:
     prepare resumes without downloading them again (in memory otherwise). `parts` limits
     the pull to the tensors of those parts of a version published per rank (default: all,
     reassembled into one state). With `cache_dir`, staged shards are memory-mapped from
-    there, so preparing an anchor of a model larger than memory needs only a few shards of
-    the process's own memory.
+    there, and a delta's decoded streams are moved to an unlinked file there shard by shard,
+    so preparing an anchor or a delta of a model larger than memory needs only a few shards
+    of the process's own memory.
     """
 
     def __init__(
@@ -163,6 +167,7 @@ class Subscriber:
         """Stop the worker threads (started again if the subscriber is used afterwards)."""
         self._pool.close()
         self._io.close()
+        self.store.close()
 
     def __enter__(self) -> Subscriber:
         return self
@@ -173,6 +178,23 @@ class Subscriber:
     def latest(self) -> int | None:
         latest = read_latest(self.store)
         return None if latest is None else latest.version
+
+    def _latest_and_next(self) -> int | None:
+        """`latest`, with the manifest of the version after ours asked for at the same time:
+        a subscriber one step behind (the usual case) then has both after one round trip,
+        not two; if no such version exists yet, the guess costs one small request."""
+        guess = None if self.version is None else self.version + 1
+        if guess is None or guess in self._manifests:
+            return self.latest()
+        ahead = self._io.get().submit(self._manifest_if_there, guess)
+        try:
+            return self.latest()
+        finally:
+            ahead.result()
+
+    def _manifest_if_there(self, version: int) -> None:
+        with contextlib.suppress(DeltaSyncError):  # not yet published, or unreadable: `prepare`
+            self.manifest(version)  # asks again for the version `latest` names
 
     def manifest(self, version: int) -> Manifest:
         if version not in self._manifests:
@@ -274,7 +296,7 @@ class Subscriber:
     def prepare(self, version: int | None = None) -> Prepared:
         """Download, verify and decode `version` (default: the latest) without touching state."""
         t0 = time.perf_counter()
-        target = self.latest() if version is None else version
+        target = self._latest_and_next() if version is None else version
         if target is None:
             raise nothing_published(self.store)
         m = self.manifest(target)
@@ -314,16 +336,24 @@ class Subscriber:
                 downloaded += len(data)
             if self.progress is not None:
                 self.progress("download", len(data))
-        patch = stage(
-            layers,
-            m.tensors(self.parts),
-            chunk_bytes=m.chunk_bytes,
-            pool=self._pool.get(),
-            label=f"version {target}",
-        )
-        return Prepared(
+        spill = Spill(self.cache_dir) if self.cache_dir is not None else None
+        try:
+            patch = stage(
+                layers,
+                m.tensors(self.parts),
+                chunk_bytes=m.chunk_bytes,
+                pool=self._pool.get(),
+                label=f"version {target}",
+                spill=spill,
+            )
+        finally:
+            if spill is not None:
+                spill.close()
+        prepared = Prepared(
             self, m, self.version, path, patch, downloaded, cached, time.perf_counter() - t0
         )
+        prepared.spilled_bytes = 0 if spill is None else spill.nbytes
+        return prepared
 
     def pull(self, state: Mapping[str, Any], version: int | None = None) -> PullReport:
         """prepare + apply in one call."""

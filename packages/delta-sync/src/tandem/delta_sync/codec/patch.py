@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -35,6 +36,7 @@ from tandem.delta_sync.dtypes import itemsize
 from tandem.delta_sync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
 from tandem.delta_sync.manifest import TensorInfo
 from tandem.delta_sync.parallel import ordered_map
+from tandem.delta_sync.spill import Spill
 from tandem.delta_sync.tensor_view import TensorView
 from tandem.delta_sync.tensors import (
     HostTensor,
@@ -81,12 +83,17 @@ def stage(
     chunk_bytes: int,
     pool: ThreadPoolExecutor,
     label: str,
+    spill: Spill | None = None,
 ) -> StagedPatch:
-    """Decode layers [(is_full, [(shard bytes, where), ...]), ...] into a StagedPatch."""
+    """Decode layers [(is_full, [(shard bytes, where), ...]), ...] into a StagedPatch; with
+    `spill`, each shard's decoded streams are moved there as soon as they are decoded, so
+    staging holds a few chunks in memory, not the whole delta."""
     patch = StagedPatch(full=bool(layers) and layers[0][0])
-    sparse: list[tuple[ChunkOp, int, int]] = []
+    sparse: list[tuple[ChunkOp, int, int, int]] = []  # (op, elements, itemsize, shard)
+    shard = 0
     for _, shards in layers:
         for data, where in shards:
+            shard += 1
             for name, rec, frames in iter_shard(data, where):
                 info = targets.get(name)
                 if info is None:
@@ -100,7 +107,7 @@ def stage(
                 op = ChunkOp(rec, f"{where}, tensor {name!r} chunk {rec.chunk}", frames=frames)
                 patch.ops.setdefault((name, rec.chunk), []).append(op)
                 if rec.mode == SPARSE:
-                    sparse.append((op, n, w))
+                    sparse.append((op, n, w, shard))
                     patch.changed += rec.count
                 elif rec.mode in (XOR, RAW):
                     patch.changed += rec.count
@@ -114,14 +121,35 @@ def stage(
                 if not ops or ops[0].rec.mode != RAW:
                     raise IntegrityError(f"{label}: the anchor lacks chunk {c} of {name!r}")
 
-    def decode(item: tuple[ChunkOp, int, int]) -> None:
-        op, n, w = item
+    def decode(item: tuple[ChunkOp, int, int, int]) -> tuple[ChunkOp, int]:
+        op, n, w, shard = item
         op.sparse = decompress_sparse(op.rec, op.frames, n, w, op.where)  # type: ignore[arg-type]
         op.frames = None
+        return op, shard
 
-    for _ in ordered_map(pool, decode, sparse, 4 * (pool._max_workers or 1)):
-        pass
+    batch: list[ChunkOp] = []
+    current = 0
+    for op, shard in ordered_map(pool, decode, sparse, 4 * (pool._max_workers or 1)):
+        if spill is None:
+            continue
+        if batch and shard != current:
+            _spill(spill, batch)
+        batch.append(op)
+        current = shard
+    if spill is not None and batch:
+        _spill(spill, batch)
     return patch
+
+
+def _spill(spill: Spill, batch: list[ChunkOp]) -> None:
+    """Move one shard's decoded streams to the spill file (one mapping per shard)."""
+    streams = [op.sparse for op in batch]
+    arrays = [a for s in streams for a in msgspec.structs.astuple(s)]  # type: ignore[arg-type]
+    kept = spill.keep(arrays)
+    width = len(arrays) // len(batch)
+    for i, op in enumerate(batch):
+        op.sparse = SparseStreams(*kept[i * width : (i + 1) * width])
+    batch.clear()
 
 
 def check_targets(

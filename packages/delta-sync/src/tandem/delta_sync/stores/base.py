@@ -48,6 +48,10 @@ class Store(ABC):
         tell without a request; None otherwise."""
         return None
 
+    def close(self) -> None:  # noqa: B027 (most stores hold nothing open)
+        """Release what the store holds open (e.g. kept-alive connections); it may be used
+        again afterwards."""
+
     def _read_only_error(self, key: str) -> StoreError:
         return StoreError(
             f"{self.describe()} is read-only; cannot write {key!r} (publish to the origin store)"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import structlog
 
@@ -14,21 +14,48 @@ from tandem.delta_sync.stores.base import Store, check_key
 
 log = structlog.get_logger()
 
+# A reused connection the server closed while it sat idle fails like this before any byte
+# of the answer: the request is sent again on a new connection, not counted as a retry.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
 
 class HttpStore(Store):
-    """GETs `base_url/key`; transient failures are retried with exponential backoff."""
+    """GETs `base_url/key` over kept-alive connections; transient failures are retried with
+    exponential backoff.
+
+    Connections are reused (HTTP/1.1 keep-alive) because on a long link a new one costs a
+    round trip before the request's own: at 250 ms, a pull of `latest`, a manifest and a
+    few shards would spend more time opening connections than moving bytes. At most
+    `max_idle` idle connections are kept; a request finding none opens a new one, so
+    parallel downloads are not limited by the pool.
+    """
 
     read_only = True
 
     def __init__(
-        self, base_url: str, *, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5
+        self,
+        base_url: str,
+        *,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        max_idle: int = 16,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise StoreError(f"HttpStore needs an http(s):// URL, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
+        parts = urllib.parse.urlsplit(self.base_url)
+        if not parts.hostname:
+            raise StoreError(f"HttpStore needs a host in its URL, got {base_url!r}")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        self._path = parts.path
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.max_idle = max_idle
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
 
     def describe(self) -> str:
         return self.base_url
@@ -36,24 +63,68 @@ class HttpStore(Store):
     def _url(self, key: str) -> str:
         return f"{self.base_url}/{urllib.parse.quote(check_key(key))}"
 
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """(a connection, whether it was reused from the idle pool)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return cls(self._host, self._port, timeout=self.timeout), False
+
+    def _release(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections (new ones are opened if the store is used again)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _once(self, path: str, method: str) -> tuple[int, str, bytes]:
+        """One request: (status, reason, body), on a reused connection when one is idle."""
+        while True:
+            conn, reused = self._connection()
+            try:
+                conn.request(method, path)
+                resp = conn.getresponse()
+                body = resp.read()
+            except _STALE:
+                conn.close()
+                if reused:  # closed while idle; so, probably, are the other idle ones
+                    self.close()
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            length = resp.getheader("Content-Length")
+            if resp.will_close:
+                conn.close()
+            else:
+                self._release(conn)
+            if method == "GET" and length is not None and int(length) != len(body):
+                raise OSError(f"short read: {len(body)} of {length} bytes")
+            return resp.status, resp.reason, body
+
     def _request(self, key: str, method: str) -> bytes | None:
         url = self._url(key)
+        path = f"{self._path}/{urllib.parse.quote(key)}"
         for attempt in range(self.retries + 1):
             try:
-                req = urllib.request.Request(url, method=method)
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    body = resp.read()
-                    length = resp.headers.get("Content-Length")
-                    if method == "GET" and length is not None and int(length) != len(body):
-                        raise OSError(f"short read: {len(body)} of {length} bytes")
-                    return body
-            except urllib.error.HTTPError as e:
-                if e.code == 404:
+                status, reason, body = self._once(path, method)
+                if status == 404:
                     return None
-                if e.code < 500 and e.code != 429:
-                    raise StoreError(f"GET {url}: HTTP {e.code} {e.reason}") from None
-                err: Exception = e
-            except (OSError, urllib.error.URLError) as e:  # refused, reset, timeout, short read
+                if status < 300:
+                    return body
+                if status < 500 and status != 429:
+                    raise StoreError(f"{method} {url}: HTTP {status} {reason}")
+                err: Exception = OSError(f"HTTP {status} {reason}")
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, timeout, short
                 err = e
             if attempt < self.retries:
                 log.warning("delta_sync.http_retry", url=url, attempt=attempt + 1, error=str(err))

@@ -90,6 +90,9 @@ class RelayStore(Store):
     def put(self, key: str, data: bytes) -> None:
         raise self._read_only_error(key)
 
+    def close(self) -> None:
+        self.origin.close()
+
     def _get_latest(self, key: str) -> bytes:
         now = time.monotonic()
         with self._lock:

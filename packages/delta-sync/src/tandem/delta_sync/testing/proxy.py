@@ -1,9 +1,12 @@
-"""A TCP proxy that adds round-trip time and, on request, resets a transfer midway.
+"""An HTTP/1.1 proxy that adds round-trip time and, on request, resets a transfer midway.
 
 A test/benchmark helper (the kernel's `netem` is not everywhere): every connection waits
-half a round trip before it is opened upstream (the handshake) and every piece of data
-waits half a round trip in each direction, in order, so a request costs the two round
-trips it costs on a real long link. Rates are the links' business (`tc tbf`), not this.
+half a round trip before it is opened upstream (the handshake) and every request and
+every piece of a response waits half a round trip, in order, so a request on a new
+connection costs the two round trips it costs on a real long link, and one on a
+kept-alive connection one. It reads each request's and response's head (so it logs and
+resets per request, on kept-alive connections too) and copies bodies by their
+Content-Length. Rates are the links' business (`tc tbf`), not this.
 
 It runs an asyncio loop on its own thread (started from a thread inside the namespace it
 should listen in); `reset_next` arms resets of shard responses, `log` records every
@@ -22,6 +25,34 @@ from typing import Any
 
 _PIECE = 64 << 10
 _BUFFERED = 8  # pieces in flight per direction and connection (512 KiB)
+
+
+async def _head(reader: asyncio.StreamReader) -> bytes | None:
+    """An HTTP message's head (through the blank line), None at a clean end of stream."""
+    try:
+        return await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise
+        return None
+    except asyncio.LimitOverrunError:
+        raise ValueError("HTTP head too long") from None
+
+
+def _request_line(head: bytes) -> tuple[str, str]:
+    parts = head.split(b"\r\n", 1)[0].split(b" ")
+    if len(parts) < 3:
+        raise ValueError("not an HTTP request")
+    return parts[0].decode("latin-1"), parts[1].decode("latin-1")
+
+
+def _fields(head: bytes) -> dict[str, str]:
+    out = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            out[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return out
 
 
 class Proxy:
@@ -49,47 +80,77 @@ class Proxy:
             writer.transport.abort()
             return
         await asyncio.sleep(self.half)
-        first = await reader.read(_PIECE)
-        path = first.split(b" ", 2)[1].decode("latin-1") if first.count(b" ") >= 2 else "?"
-        self.started.append(path)
-        cut = self.resets.pop(0) if self.resets and "/shards/" in path else None
-        sent = [0]
-        up = asyncio.create_task(self.pump(reader, up_writer, first, None, [0]))
-        down = asyncio.create_task(self.pump(up_reader, writer, b"", cut, sent))
-        await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
-        await asyncio.wait([down], timeout=120)
-        for task in (up, down):
-            task.cancel()
-        for w in (writer, up_writer):
-            if cut is not None and sent[0] >= cut and w is writer:
-                continue  # already reset
-            w.close()
-        self.emit(path=path, bytes=sent[0], reset=cut is not None and sent[0] >= cut)
+        aborted = False
+        try:  # one request after another on a kept-alive connection, each logged
+            while not aborted:
+                head = await _head(reader)
+                if head is None:
+                    break
+                at = time.monotonic() + self.half
+                method, path = _request_line(head)
+                self.started.append(path)
+                cut = self.resets.pop(0) if self.resets and "/shards/" in path else None
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                up_writer.write(head)
+                await up_writer.drain()
+                sent = [0]
+                more = await self.respond(up_reader, writer, method, cut, sent)
+                aborted = cut is not None and sent[0] >= cut
+                self.emit(path=path, bytes=sent[0], reset=aborted)
+                if not more:
+                    break
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, ValueError):
+            pass
+        except asyncio.CancelledError:  # the proxy stops with this connection open
+            aborted = False
+        finally:
+            up_writer.close()
+            if not aborted:
+                writer.close()
 
-    async def pump(
+    async def respond(
         self,
         src: asyncio.StreamReader,
         dst: asyncio.StreamWriter,
-        first: bytes,
+        method: str,
         cut: int | None,
         sent: list[int],
-    ) -> None:
-        """Copy src to dst, each piece delivered half a round trip after it was read."""
+    ) -> bool:
+        """Copy one response (head and body) from src to dst, each piece delivered half a
+        round trip after it was read; False when the connection ends with it."""
+        head = await _head(src)
+        if head is None:
+            return False
+        at = time.monotonic() + self.half
+        fields = _fields(head)
+        status = int(head.split(b" ", 2)[1])
+        keep = fields.get("connection", "").lower() != "close"
+        if method == "HEAD" or status in (204, 304) or status < 200:
+            length: int | None = 0
+        elif "content-length" in fields:
+            length = int(fields["content-length"])
+        else:  # delimited by the end of the connection
+            length, keep = None, False
         # bounded, like a socket buffer: a slow far side holds the near side back
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(maxsize=_BUFFERED)
 
         async def read() -> None:
-            if first:
-                await queue.put((time.monotonic() + self.half, first))
-            while data := await src.read(_PIECE):
+            await queue.put((at, head))
+            left = length
+            while left is None or left > 0:
+                data = await src.read(_PIECE if left is None else min(_PIECE, left))
+                if not data:
+                    break
+                if left is not None:
+                    left -= len(data)
                 await queue.put((time.monotonic() + self.half, data))
             await queue.put((time.monotonic() + self.half, b""))
 
         reading = asyncio.create_task(read())
         try:
             while True:
-                at, data = await queue.get()
-                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                at_, data = await queue.get()
+                await asyncio.sleep(max(0.0, at_ - time.monotonic()))
                 if not data:
                     break
                 if cut is not None and sent[0] + len(data) >= cut:
@@ -101,16 +162,13 @@ class Proxy:
                             socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
                         )
                     dst.transport.abort()
-                    break
+                    return False
                 dst.write(data)
                 sent[0] += len(data)
                 await dst.drain()
-            if cut is None and dst.can_write_eof():
-                dst.write_eof()
-        except (ConnectionError, OSError):
-            pass
         finally:
             reading.cancel()
+        return keep
 
     def reset_next(self, after_bytes: int, count: int = 1) -> None:
         """Cut (TCP reset) the next `count` shard responses after `after_bytes` bytes."""

@@ -266,6 +266,12 @@ class Wan:
         out, log[:] = list(log), []
         return out
 
+    def poll(self, timeout: float = 60.0) -> list[int | None]:
+        """Every engine asks for `latest` once, as a deployed engine polls between
+        versions (which keeps its connections, and its relay's to the origin, open)."""
+        futures = [e.thread.submit(e.sub.latest) for e in self.engines]
+        return [f.result(timeout=timeout) for f in futures]
+
     def pull_all(
         self, version: int | None = None, timeout: float = 120.0, regions: list[int] | None = None
     ) -> list[dict[str, Any]]:
