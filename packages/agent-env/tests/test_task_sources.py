@@ -26,6 +26,7 @@ from tandem.agent_env import (
     run_episodes,
     submit_at_once,
 )
+from tandem.agent_env.config import SandboxConfig
 from tandem.agent_env.tasks.patch import apply_patch
 from tandem.agent_env.tasks.stdlib import stdlib_tasks
 from tandem.agent_env.tasks.swebench import load_tasks
@@ -171,27 +172,33 @@ def test_swebench_records_from_a_directory_and_an_archive(
     assert _rewards(submit_at_once, tasks, config) == [0.0, 0.0]
 
 
-def test_swebench_pytest_records_with_a_bound_site_packages(
-    config: EnvConfig, tmp_path: Path
-) -> None:
-    """pytest comes from this environment's site-packages, bound read-only into the sandbox."""
+def _pytest_task(
+    sandbox: SandboxConfig, config: EnvConfig, tmp_path: Path
+) -> tuple[EnvConfig, Path]:
+    """A SWE-bench record run by pytest, with the config that binds this environment's
+    site-packages (where pytest is) read-only into ``sandbox``."""
     site = next(
         p for p in sys.path if p.endswith("site-packages") and (Path(p) / "pytest").is_dir()
     )
-    limits = msgspec.structs.replace(config.sandbox.limits, command_timeout_s=60.0)
-    sandbox = msgspec.structs.replace(
-        config.sandbox,
-        ro_binds=(site,),
-        python_paths=(site,),
-        env={"PYTHONPATH": site},
-        limits=limits,
+    bound = msgspec.structs.replace(
+        sandbox, ro_binds=(site,), python_paths=(site,), env={"PYTHONPATH": site}
     )
-    cfg = msgspec.structs.replace(config, sandbox=sandbox)
     path = _records(
         tmp_path,
         "pytest",
         ["tests/test_area.py::TestArea::test_rect"],
         ["tests/test_area.py::TestArea::test_square"],
+    )
+    return msgspec.structs.replace(config, sandbox=bound), path
+
+
+def test_swebench_pytest_records_with_a_bound_site_packages(
+    config: EnvConfig, tmp_path: Path
+) -> None:
+    """pytest comes from this environment's site-packages, bound read-only into the sandbox."""
+    limits = msgspec.structs.replace(config.sandbox.limits, command_timeout_s=60.0)
+    cfg, path = _pytest_task(
+        msgspec.structs.replace(config.sandbox, limits=limits), config, tmp_path
     )
     tasks = load_tasks(path)[:1]
     trajs = asyncio.run(run_episodes(OraclePolicy(tasks), tasks, concurrency=1, config=cfg))
@@ -220,19 +227,7 @@ def test_pytest_hooks_and_plugins_the_agent_adds_do_not_count(
 ) -> None:
     """A conftest.py hook and a pytest.ini that loads a plugin of the agent's, both rewriting
     every outcome to passed, with the bug left in place: the reward stays 0."""
-    site = next(
-        p for p in sys.path if p.endswith("site-packages") and (Path(p) / "pytest").is_dir()
-    )
-    sandbox = msgspec.structs.replace(
-        config.sandbox, ro_binds=(site,), python_paths=(site,), env={"PYTHONPATH": site}
-    )
-    cfg = msgspec.structs.replace(config, sandbox=sandbox)
-    path = _records(
-        tmp_path,
-        "pytest",
-        ["tests/test_area.py::TestArea::test_rect"],
-        ["tests/test_area.py::TestArea::test_square"],
-    )
+    cfg, path = _pytest_task(config.sandbox, config, tmp_path)
     task = load_tasks(path)[0]
     files = {
         "conftest.py": _FORCE_PASS,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -12,7 +11,7 @@ import structlog
 from tandem.agent_env.config import EnvConfig
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.grading import GradeResult, grade
-from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION, to_turn
+from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION, assistant_message, to_turn
 from tandem.agent_env.sandbox.answers import BadAnswer, Done, Failed, Ran, check
 from tandem.agent_env.sandbox.runtime import Runtime
 from tandem.agent_env.sandbox.session import Session, SessionLost, os_signal_name
@@ -198,15 +197,6 @@ class Env:
 
     # -- episode -------------------------------------------------------------------------
 
-    @staticmethod
-    def _arguments_text(raw: Any) -> str:
-        """The call's arguments as the assistant message keeps them (JSON text)."""
-        if isinstance(raw, bytes):
-            return raw.decode("utf-8", "replace")
-        if isinstance(raw, str):
-            return raw.encode("utf-8", "replace").decode("utf-8")
-        return json.dumps(raw, ensure_ascii=False, default=str)
-
     def _call_ids(self, calls: tuple[ToolCall, ...]) -> list[str]:
         """The calls' own ids, or fresh ones where missing or repeated within the turn."""
         base = f"call_{self._call_prefix}{self.turn:03d}"
@@ -265,19 +255,7 @@ class Env:
         turn = to_turn(reply)
         self.turn += 1
         ids = self._call_ids(turn.calls)
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-        if turn.calls:
-            message["tool_calls"] = [
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": self._arguments_text(c.arguments)},
-                }
-                for c, call_id in zip(turn.calls, ids, strict=True)
-            ]
-        else:
-            message["content"] = turn.content or ""
-        self.messages.append(message)
+        self.messages.append(assistant_message(turn, ids))
         if not turn.calls:
             obs, info = Observation(TEXT_ANSWER_OBSERVATION, True), {"text_answer": True}
             self.messages.append({"role": "user", "content": obs.content})

@@ -21,6 +21,7 @@ is the agent's mistake and comes back to it as an observation.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,3 +132,31 @@ def to_turn(reply: Any) -> Turn:
         call = _call(reply, reply)
         return Turn(call.content, (call,))
     raise _error(reply, "not a tool call, a message or a text answer")
+
+
+def arguments_text(raw: Any) -> str:
+    """A call's arguments as the assistant message keeps them (JSON text)."""
+    if isinstance(raw, bytes):
+        return raw.decode("utf-8", "replace")
+    if isinstance(raw, str):
+        return raw.encode("utf-8", "replace").decode("utf-8")
+    return json.dumps(raw, ensure_ascii=False, default=str)
+
+
+def assistant_message(turn: Turn, call_ids: list[str]) -> dict[str, Any]:
+    """The turn as the OpenAI-style ``assistant`` message the conversation keeps: its text,
+    and its calls under the ids their ``tool`` answers refer to."""
+    if not turn.calls:
+        return {"role": "assistant", "content": turn.content or ""}
+    return {
+        "role": "assistant",
+        "content": turn.content,
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": arguments_text(c.arguments)},
+            }
+            for c, call_id in zip(turn.calls, call_ids, strict=True)
+        ],
+    }
