@@ -4,7 +4,9 @@ For each size the script writes two bf16 safetensors files, version 0 and versio
 `--changed` of the weights moved by one or two ulps, in runs like Adam's), then measures,
 each in a fresh process so that its peak memory is its own:
 
-    anchor publish   Publisher(base_dir=...) publishes version 0 from the memory-mapped file
+    anchor publish   Publisher(mapped_base=True) publishes version 0 from the read-only
+                     memory-mapped file, which it keeps as its base (`--base copy`: a
+                     memory-mapped copy of it under base_dir, patched in place each step)
     delta publish    the same publisher publishes version 1 against it
     delta pull       an engine at version 0 (a memory-mapped copy, patched in place) pulls 1
                      through a shard cache directory (shards and decoded streams staged
@@ -145,7 +147,7 @@ def timed(fn):
     return result, {**figures, "extra": mem.extra}
 
 
-def child(role: str, d: Path, workers: int) -> dict:
+def child(role: str, d: Path, workers: int, base: str) -> dict:
     """One measured operation in this (fresh) process; returns its figures."""
     warm_up((2,))  # numba's kernels loaded before the clock starts, as an engine does at start-up
     store = LocalStore(d / "store")
@@ -160,6 +162,7 @@ def child(role: str, d: Path, workers: int) -> dict:
             shard_bytes=SHARD,
             workers=workers,
             base_dir=d / "base",
+            mapped_base=base == "mapped",
         ) as pub:
             for version, state, tag in ((0, v0, "anchor_publish"), (1, v1, "delta_publish")):
                 report, out[tag] = timed(lambda: pub.publish(version, state))  # noqa: B023
@@ -190,7 +193,7 @@ def child(role: str, d: Path, workers: int) -> dict:
     return out
 
 
-def measure(size_gb: float, root: Path, workers: int, changed: float) -> dict:
+def measure(size_gb: float, root: Path, workers: int, changed: float, base: str) -> dict:
     d = Path(tempfile.mkdtemp(prefix=f"scale-{size_gb:g}g-", dir=root))
     try:
         t = time.perf_counter()
@@ -206,6 +209,8 @@ def measure(size_gb: float, root: Path, workers: int, changed: float) -> dict:
                 str(d),
                 "--workers",
                 str(workers),
+                "--base",
+                base,
             ]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             if res.returncode != 0:
@@ -221,17 +226,24 @@ def main() -> None:
     ap.add_argument("--sizes", default="0.25,1,2,4", help="state sizes in GiB, comma-separated")
     ap.add_argument("--changed", type=float, default=0.02, help="fraction of weights changed")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--base",
+        choices=("mapped", "copy"),
+        default="mapped",
+        help="the publisher's base: the mapped checkpoint itself, or a copy under base_dir",
+    )
     ap.add_argument("--dir", default=None, help="where the states are written (removed after)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     if args.child:
-        print(json.dumps(child(args.child, Path(args.dir), args.workers)))
+        print(json.dumps(child(args.child, Path(args.dir), args.workers, args.base)))
         return
     root = Path(args.dir or tempfile.gettempdir())
     ops = ("anchor_publish", "delta_publish", "delta_pull", "anchor_pull")
     print(
-        f"bf16 MoE-shaped states, {args.changed:.0%} changed, {args.workers} workers, {SHARD >> 20} MiB shards"
+        f"bf16 MoE-shaped states, {args.changed:.0%} changed, {args.workers} workers, "
+        f"{SHARD >> 20} MiB shards, publisher base: {args.base}"
     )
     head = f"{'GiB':>6} {'largest MiB':>11}" + "".join(
         f" {op + ' s':>17} {'cpu s':>6} {'extra MiB':>9}" for op in ops
@@ -239,7 +251,7 @@ def main() -> None:
     print(head + f" {'changed':>7} {'delta MB':>9} {'exact':>5}", flush=True)
     rows = []
     for size in (float(x) for x in args.sizes.split(",")):
-        r = measure(size, root, args.workers, args.changed)
+        r = measure(size, root, args.workers, args.changed, args.base)
         rows.append(r)
         cells = "".join(
             f" {r[op]['s']:>17.2f} {r[op]['cpu']:>6.2f} {r[op]['extra'] / 2**20:>9.0f}"
@@ -250,6 +262,11 @@ def main() -> None:
             f"{r['bytes'] / 2**30:>6.2f} {r['largest'] / 2**20:>11.0f}{cells} {r['changed']:>7.2%} {r['delta_publish']['bytes'] / 1e6:>9.1f} {exact!s:>5}",
             flush=True,
         )
+    print("\ncpu s per GiB (flat: linear growth)")
+    print(f"{'GiB':>6}" + "".join(f" {op:>15}" for op in ops))
+    for r in rows:
+        gib = r["bytes"] / 2**30
+        print(f"{gib:>6.2f}" + "".join(f" {r[op]['cpu'] / gib:>15.3f}" for op in ops))
     if len(rows) > 1:
         a, b = rows[0], rows[-1]
         k = b["bytes"] / a["bytes"]

@@ -22,6 +22,7 @@ from tandem.delta_sync.plan import (
     delta_bytes,
     fair_shares,
     plan,
+    transfer_ends,
     value_bits_from,
 )
 
@@ -56,6 +57,18 @@ def test_binary_entropy_and_fair_shares_by_hand() -> None:
     assert fair_shares(9, [9, 9, 9]) == [3, 3, 3]
 
 
+def test_a_link_is_reshared_as_flows_start_and_finish() -> None:
+    # 20 Mbit/s (2.5 MB/s) shared by two 0.84 MB flows starting at 0.15 s and 0.375 s: the
+    # first has it alone for 0.225 s (0.5625 MB), then both get 1.25 MB/s until the first
+    # is through (0.2775 MB more: 0.222 s), then the second has it alone again
+    first = 0.375 + 0.2775e6 / 1.25e6
+    second = first + (0.84e6 - 0.2775e6) / 2.5e6
+    ends = transfer_ends(2.5e6, [6.25e6, 6.25e6], [0.15, 0.375], [0.84e6, 0.84e6])
+    assert math.isclose(ends[0], first) and math.isclose(ends[1], second)
+    assert transfer_ends(1.0, [0.5], [2.0], [1.0]) == [4.0]  # capped by its own link
+    assert transfer_ends(1.0, [1.0], [3.0], [0.0]) == [3.0]  # nothing to send
+
+
 def test_one_region_plan_by_hand() -> None:
     codec = Codec(encode_gbps_core=2.0, apply_gbps_core=1.0, value_bits=3.0)
     region = Region("eu", engines=2, rate_gbit=1.0, rtt_ms=100, relay=True, in_region_gbit=10)
@@ -68,9 +81,12 @@ def test_one_region_plan_by_hand() -> None:
     assert math.isclose(p.delta_bytes, d)
     prepare = max(8e9 / 8e9, d / (25 * GBIT)) + 0.01  # 4 cores x 2 GB/s
     waves = math.ceil(math.ceil(d / (32 << 20)) / 8)
-    fetch = 0.1 + waves * 0.1 + max(d / GBIT, 2 * d / (10 * GBIT))  # latest+manifest, shards
+    # the held long-poll's answer (half a round trip), then a round trip per wave of shards
+    fetch = 0.05 + waves * 0.1 + max(d / GBIT, 2 * d / (10 * GBIT))
     assert math.isclose(p.total_s, prepare + fetch + 0.5)  # apply: 8 GB at 16 x 1 GB/s
     assert p.bottleneck == "trainer encode" and p.uplink_bytes == d
+    polled = plan(msgspec.structs.replace(s, long_poll=False), codec)  # latest+manifest: 1 rtt
+    assert math.isclose(polled.total_s - p.total_s, 0.05)
 
 
 def test_a_shared_uplink_is_the_bottleneck_and_relays_cut_its_bytes() -> None:
@@ -90,6 +106,11 @@ def test_plan_command_prints_the_step_and_the_composer2_scenario(capsys, tmp_pat
     assert main([*args, "--rate-gbit", "5,2", "--rtt-ms", "20,150"]) == 0
     out = capsys.readouterr().out
     assert "time to every engine" in out and "bottleneck" in out and " eu " in out
+    totals = []
+    for extra in ([], ["--polling"]):  # polling engines: eu's manifest half a round trip later
+        assert main([*args, "--rate-gbit", "5,2", "--rtt-ms", "20,150", "--json", *extra]) == 0
+        totals.append(json.loads(capsys.readouterr().out)["plan"]["total_s"])
+    assert math.isclose(totals[1] - totals[0], 0.075)
     assert main(["plan", "--composer2"]) == 0
     out = capsys.readouterr().out
     assert "public figures" in out and "1,000.0 GB" in out and "four" in out

@@ -307,13 +307,14 @@ def adam_snapshots(
 
 
 def format_table(rows: list[Row], workers: int) -> str:
-    """One line per step; GB/s are of dense bytes, 'cpu' columns are GB per CPU-second."""
+    """One line per step; GB/s are of dense bytes, 'cpu' columns are GB per CPU-second,
+    'scale' is all workers' throughput over one worker's (the multi-core scaling)."""
     stores = list(rows[0].stores) if rows else []
     cols = [
         ("lr", 8), ("changed", 8), ("ours", 7), ("bound", 7), ("ours/bnd", 8),
         ("zstd", 6), ("xor+zstd", 8),
-        ("enc 1thr", 8), ("enc cpu", 7), (f"enc {workers}thr", 8),
-        ("dec 1thr", 8), ("dec cpu", 7), (f"dec {workers}thr", 8),
+        ("enc 1thr", 8), ("enc cpu", 7), (f"enc {workers}thr", 8), ("scale", 5),
+        ("dec 1thr", 8), ("dec cpu", 7), (f"dec {workers}thr", 8), ("scale", 5),
     ]  # fmt: skip
     for s in stores:
         cols += [(f"{s} delta/full wall s", 22), ("x", 5), (f"{s} delta/full cpu s", 21), ("x", 5)]
@@ -323,7 +324,9 @@ def format_table(rows: list[Row], workers: int) -> str:
             f"{r.lr:.1e}", f"{100 * r.changed:.2f}%", f"{r.ratio:.1f}x", f"{r.bound:.1f}x",
             f"{r.ratio / r.bound:.2f}", f"{r.full_zstd:.2f}x", f"{r.xor_zstd:.1f}x",
             f"{r.encode_1:.2f}", f"{r.encode_cpu:.2f}", f"{r.encode_all:.2f}",
+            f"{r.encode_all / r.encode_1:.2f}",
             f"{r.decode_1:.2f}", f"{r.decode_cpu:.2f}", f"{r.decode_all:.2f}",
+            f"{r.decode_all / r.decode_1:.2f}",
         ]  # fmt: skip
         for s in stores:
             dw, fw, dc, fc = r.stores[s]

@@ -5,13 +5,17 @@ The model follows what the code does, stage by stage:
 1. The trainer encodes the whole state (every chunk is compared) at the measured encode
    throughput per core, streaming shards to the origin store as they fill.
 2. The version becomes visible (manifest, then `latest`) only when every shard is in.
-3. Every engine (or its region's relay) then asks for `latest` together with the next
-   version's manifest, then for the shards, `download_workers` at a time, over kept-alive
-   connections (open from polling `latest`): one round trip each before its first byte. A relay takes each shard from the
-   origin once and serves it to its engines once it is in.
-4. Links share their rate fairly between the flows crossing them (max-min, water-filling):
-   the trainer's uplink between the regions pulling at once, a region's link between its
-   engines when there is no relay.
+3. Every engine (or its region's relay) is already waiting for the next version's
+   manifest with a long-poll (`Subscriber.prepare(wait=...)`), held by the origin, so the
+   manifest reaches it half a round trip after the commit (a polling engine: one round
+   trip, asking for `latest` and the manifest together); then it asks for the shards,
+   `download_workers` at a time, over kept-alive connections: one round trip each wave
+   before its first byte. A relay takes each shard from the origin once and serves it to
+   its engines once it is in.
+4. Links share their rate fairly between the flows crossing them (max-min, water-filling),
+   re-shared as flows start and finish: the trainer's uplink between the regions pulling
+   at once (a nearer region starts sooner and has it alone until the farther ones start),
+   a region's link between its engines when there is no relay.
 5. Each engine stages the delta and applies it (the pause): every chunk of the model is
    patched and hashed, at the measured decode+apply throughput per core.
 
@@ -63,6 +67,7 @@ class Scenario(msgspec.Struct, frozen=True):
     engine_cores: int = 8  # the workers applying one engine's copy
     download_workers: int = 8
     store_gbit: float = 25.0  # trainer -> origin store (same datacenter)
+    long_poll: bool = True  # engines wait for the next manifest (False: they poll `latest`)
 
 
 class RegionTime(msgspec.Struct):
@@ -120,6 +125,40 @@ def fair_shares(capacity: float, demands: list[float]) -> list[float]:
     return out
 
 
+def transfer_ends(
+    capacity: float, caps: list[float], starts: list[float], sizes: list[float]
+) -> list[float]:
+    """When each flow's last byte is through: flows starting at `starts` (s) with `sizes`
+    (bytes), each capped at its own rate (`caps`, bytes/s), share `capacity` max-min fairly
+    while they are active, re-shared each time one starts or finishes (a region that
+    learns of the version sooner has the link to itself until the others start)."""
+    n = len(sizes)
+    left, ends = list(sizes), [math.inf] * n
+    for i in range(n):
+        if sizes[i] <= 0:
+            ends[i] = starts[i]
+    t = min(starts, default=0.0)
+    for _ in range(2 * n + 1):  # each round starts or finishes at least one flow
+        todo = [i for i in range(n) if ends[i] == math.inf]
+        if not todo:
+            break
+        active = [i for i in todo if starts[i] <= t]
+        later = [starts[i] for i in todo if starts[i] > t]
+        if not active:
+            t = min(later)
+            continue
+        rates = fair_shares(capacity, [caps[i] for i in active])
+        dt = min(left[i] / r for i, r in zip(active, rates, strict=True))
+        if later:
+            dt = min(dt, min(later) - t)
+        for i, r in zip(active, rates, strict=True):
+            left[i] -= r * dt
+            if left[i] <= 1e-9 * sizes[i]:
+                ends[i] = t + dt
+        t += dt
+    return ends
+
+
 def plan(s: Scenario, codec: Codec, *, payload: float | None = None, full: bool = False) -> Plan:
     """One step of `s` (or, with `full`, a full snapshot through the same topology)."""
     if not s.regions:
@@ -141,22 +180,24 @@ def plan(s: Scenario, codec: Codec, *, payload: float | None = None, full: bool 
     # share of the region's link
     flows = [1 if r.relay else r.engines for r in s.regions]
     caps = [r.rate_gbit / f for r, f in zip(s.regions, flows, strict=True) for _ in range(f)]
-    shares = fair_shares(s.uplink_gbit, caps)
-    times, latencies, fan_outs, pos = [], [], [], 0
-    for r, f in zip(s.regions, flows, strict=True):
-        rate = shares[pos]  # the flows of one region get equal shares
+    waves = math.ceil(shards / s.download_workers)
+    # the manifest: half a round trip after the commit for a held long-poll, a round trip
+    # for a poll (`latest` and the manifest together); then one per wave of shards
+    latencies = [
+        (r.rtt_ms / 2e3 if s.long_poll else r.rtt_ms / 1e3) + waves * r.rtt_ms / 1e3
+        for r in s.regions
+    ]
+    starts = [lat for lat, f in zip(latencies, flows, strict=True) for _ in range(f)]
+    ends = transfer_ends(s.uplink_gbit * GBIT, [c * GBIT for c in caps], starts, [d] * len(caps))
+    times, fan_outs, pos = [], [], 0
+    for r, f, latency in zip(s.regions, flows, latencies, strict=True):
+        wire_end = max(ends[pos : pos + f])  # the region's flows, counted from the commit
         pos += f
-        rtt = r.rtt_ms / 1e3
-        waves = math.ceil(shards / s.download_workers)
-        # kept-alive connections (open from polling): one round trip for `latest` and the
-        # next version's manifest (asked for together), then one per wave of shards
-        latency = rtt + waves * rtt
-        wire = d / (rate * GBIT)
         fan_out = r.engines * d / (r.in_region_gbit * GBIT) if r.relay else 0.0
-        fetch = latency + max(wire, fan_out)
-        latencies.append(latency)
+        fetch = max(wire_end, latency + fan_out)
+        rate = d * f / GBIT / max(wire_end - latency, 1e-12)  # its average share
         fan_outs.append(fan_out)
-        times.append(RegionTime(r.name, d * f, rate * f, fetch, prepare_s + fetch + apply_s))
+        times.append(RegionTime(r.name, d * f, rate, fetch, prepare_s + fetch + apply_s))
     total = max(t.done_s for t in times)
     slowest = max(range(len(times)), key=lambda i: times[i].done_s)
     stages = {
@@ -172,7 +213,9 @@ def plan(s: Scenario, codec: Codec, *, payload: float | None = None, full: bool 
         f"codec throughputs: {codec.measured_on}",
         "links are shared fairly; TCP windows are assumed large enough for each link's "
         "bandwidth-delay product (tuned hosts), so round trips add latency, not a rate cap",
-        "engines poll `latest` right after the commit (no polling interval added)",
+        "engines wait for the next manifest with a long-poll"
+        if s.long_poll
+        else "engines poll `latest` right after the commit (no polling interval added)",
     ]
     return Plan(
         delta_bytes=d,

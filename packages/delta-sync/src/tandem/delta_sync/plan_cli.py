@@ -131,6 +131,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         trainer_cores=args.trainer_cores,
         engine_cores=args.engine_cores,
         download_workers=args.download_workers,
+        long_poll=not args.polling,
     )
 
 
@@ -198,6 +199,12 @@ def add_plan_parser(sub: Any, make: Any) -> None:
     pl.add_argument("--trainer-cores", type=int, default=8, help="encode workers (all ranks)")
     pl.add_argument("--engine-cores", type=int, default=8, help="apply workers per engine")
     pl.add_argument("--download-workers", type=int, default=8, help="parallel shard requests")
+    pl.add_argument(
+        "--polling",
+        action="store_true",
+        help="engines poll `latest` (a round trip after the commit) instead of waiting for "
+        "the next manifest with a long-poll (half a round trip)",
+    )
     pl.add_argument("--uplink-gbit", type=float, default=10.0, help="the origin's uplink")
     pl.add_argument("--regions", default="local", help="region names, comma-separated")
     pl.add_argument("--engines", default="1", help="engines per region (one or one each)")

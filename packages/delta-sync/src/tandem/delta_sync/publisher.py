@@ -39,6 +39,7 @@ from tandem.delta_sync.manifest import (
     manifest_key,
     read_latest,
 )
+from tandem.delta_sync.mapped_base import MappedBase, adopt_mapped
 from tandem.delta_sync.parallel import KeptPool, default_workers
 from tandem.delta_sync.reports import PayloadReport, PublishReport
 from tandem.delta_sync.stores.base import Store
@@ -72,6 +73,9 @@ class Publisher:
 
     `base_dir` keeps the copies of host tensors memory-mapped in files there instead of in
     memory (for a model larger than the host's spare memory; see `base_copy`).
+    `mapped_base` keeps no copy at all when the state is read-only memory-mapped files
+    (`load_safetensors(path, mmap_mode="r")`): their mapping is the base for the next step,
+    and a published file must never be written again (see `mapped_base`).
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class Publisher:
         commit_timeout: float = 600.0,
         progress: Progress | None = None,
         base_dir: str | Path | None = None,
+        mapped_base: bool = False,
     ) -> None:
         if anchor_every < 1:
             raise DeltaSyncError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -116,6 +121,8 @@ class Publisher:
         self.commit_timeout = commit_timeout
         self.progress = progress
         self.base_dir = None if base_dir is None else Path(base_dir)
+        self.mapped_base = mapped_base
+        self._mapped: dict[str, MappedBase] = {}  # "prev"/"anchor": a base that is a mapping
         self._prev: dict[str, TensorView] | None = None
         self._prev_manifest: Manifest | None = None
         self._aliases: dict[str, str] = {}  # tied tensors of the last version
@@ -185,6 +192,7 @@ class Publisher:
             raise DeltaSyncError(f"version must be a non-negative int, got {version!r}")
         unique, aliases = split_aliases(state)  # tied tensors are stored once
         views = views_of(unique)
+        self._drop_changed_bases()
         first = not self._resumed
         if first:
             self._resume()
@@ -217,12 +225,19 @@ class Publisher:
         payloads: list[Payload] = []
         reports: list[PayloadReport] = []
         digests: dict[str, str] = {}
+        adopted = adopt_mapped(views) if self.mapped_base else None
         try:
             pool, io = self._pool.get(), self._io.get()  # kept: no thread start per version
             for i, (base_version, base_views) in enumerate(plan):
                 # the step delta turns the publisher's own copy of the previous version
-                # into this one in place (no full copy of the model per step)
-                advance = base_views is not None and base_views is self._prev
+                # into this one in place (no full copy of the model per step), unless the
+                # state's own mapping becomes the base
+                advance = (
+                    base_views is not None
+                    and base_views is self._prev
+                    and adopted is None
+                    and "prev" not in self._mapped
+                )
                 payload, report, stats_digests = self._publish_payload(
                     version,
                     views,
@@ -242,16 +257,14 @@ class Publisher:
             anchor_version = version if is_anchor else anchor.version  # type: ignore[union-attr]
             manifest = self._commit(version, anchor_version, part)
         except BaseException:
+            if adopted is not None:
+                adopted.close()
             if self._prev is not None:  # partly advanced: rebuild it from the store next time
-                self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
-                self._aliases = {}
-                self._resumed = False
+                self._forget()
             raise
-        if self._prev is None:
-            self._prev = keep_copy(views, self.base_dir)
+        self._keep(views, adopted, is_anchor)
         if is_anchor:
-            anchor_copy = keep_copy(views, self.base_dir) if self.catchup else None
-            self._anchor, self._anchor_manifest = anchor_copy, manifest
+            self._anchor_manifest = manifest
         self._prev_manifest = manifest
         self._aliases = aliases
         numel = sum(v.numel for v in views.values())
@@ -273,6 +286,46 @@ class Publisher:
             seconds=round(report.seconds, 3),
         )
         return report
+
+    def _keep(
+        self, views: dict[str, TensorView], adopted: MappedBase | None, is_anchor: bool
+    ) -> None:
+        """The published version becomes the base (and the anchor's): the state's own
+        mapping when adopted, else the copy advanced in place, or a new copy."""
+        old = dict(self._mapped)
+        if adopted is not None:
+            self._prev, self._mapped["prev"] = adopted.views, adopted
+        elif self._prev is None or self._mapped.pop("prev", None) is not None:
+            self._prev = keep_copy(views, self.base_dir)  # no copy of ours was advanced
+        if is_anchor:
+            self._mapped.pop("anchor", None)
+            if not self.catchup:
+                self._anchor = None
+            elif adopted is not None:
+                self._anchor, self._mapped["anchor"] = adopted.views, adopted
+            else:
+                self._anchor = keep_copy(views, self.base_dir)
+        for base in old.values():
+            if all(base is not kept for kept in self._mapped.values()):
+                base.close()
+
+    def _forget(self) -> None:
+        """Drop the bases: the next publish rebuilds them from the store."""
+        for base in set(self._mapped.values()):
+            base.close()
+        self._mapped = {}
+        self._prev = self._prev_manifest = self._anchor = self._anchor_manifest = None
+        self._aliases = {}
+        self._resumed = False
+
+    def _drop_changed_bases(self) -> None:
+        """A base that is a caller's mapped file which changed since: rebuilt from the store."""
+        for base in self._mapped.values():
+            why = base.changed()
+            if why is not None:
+                log.warning("delta_sync.mapped_base_changed", reason=why, action="rebuild")
+                self._forget()
+                return
 
     def _commit(self, version: int, anchor_version: int, part: Part) -> Manifest:
         """Make the version visible: manifest, then `latest` (for a group, once every rank's

@@ -4,6 +4,8 @@ Run one next to each inference cluster: on a mirror of the origin store, in fron
 shared filesystem, or on a RelayStore that fetches from the origin on demand and caches
 (a per-region relay). Only GET and HEAD of valid store keys are served; anything else is
 refused. An origin that fails behind a relay answers 502, which HttpStore retries.
+`GET key?wait=S` is a long-poll: an object not there yet is answered as soon as it
+appears, within S seconds (at most `MAX_WAIT_S`), else 404.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import shutil
 import socket
 import socketserver
 import threading
+import time
 import urllib.parse
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +25,7 @@ from pathlib import Path
 import structlog
 
 from tandem.delta_sync.errors import DeltaSyncError, NotFoundError, StoreError
-from tandem.delta_sync.stores.base import Store, check_key
+from tandem.delta_sync.stores.base import MAX_WAIT_S, POLL_S, Store, check_key
 from tandem.delta_sync.stores.local import LocalStore
 
 log = structlog.get_logger()
@@ -52,12 +55,24 @@ class _Handler(BaseHTTPRequestHandler):
         except StoreError:
             return None
 
+    def _wait(self) -> float:
+        """The long-poll the request asks for (`?wait=S`), in seconds, bounded."""
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        try:
+            return min(max(float(query.get("wait", ["0"])[0]), 0.0), MAX_WAIT_S)
+        except ValueError:
+            return 0.0
+
     def _send(self, key: str | None, body: bool) -> None:
         if key is None:
             self.send_error(HTTPStatus.NOT_FOUND)
             return
+        wait = self._wait() if body else 0.0
         if isinstance(self.store, LocalStore):  # stream files, no copy in memory
             path = self.store.path(key)
+            deadline = time.monotonic() + wait
+            while not path.is_file() and time.monotonic() < deadline:
+                time.sleep(POLL_S)  # a long-poll: the publisher writes the directory itself
             if not path.is_file():
                 self.send_error(HTTPStatus.NOT_FOUND)
                 return
@@ -72,7 +87,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise NotFoundError(key)
                 self._headers(None)
                 return
-            data = self.store.get(key)
+            data = self.store.get_wait(key, wait) if wait > 0 else self.store.get(key)
         except NotFoundError:
             self.send_error(HTTPStatus.NOT_FOUND)
             return

@@ -179,21 +179,30 @@ class Subscriber:
         latest = read_latest(self.store)
         return None if latest is None else latest.version
 
-    def _latest_and_next(self) -> int | None:
+    def _latest_and_next(self, wait: float = 0.0) -> int | None:
         """`latest`, with the manifest of the version after ours asked for at the same time:
         a subscriber one step behind (the usual case) then has both after one round trip,
-        not two; if no such version exists yet, the guess costs one small request."""
+        not two; if no such version exists yet, the guess costs one small request. With
+        `wait`, the manifest's request is a long-poll: held by the store until that version
+        is published (its manifest is written once all its shards are in), so the
+        subscriber learns of it half a round trip after the commit, not a poll later."""
         guess = None if self.version is None else self.version + 1
         if guess is None or guess in self._manifests:
             return self.latest()
-        ahead = self._io.get().submit(self._manifest_if_there, guess)
+        ahead = self._io.get().submit(self._manifest_if_there, guess, wait)
         try:
-            return self.latest()
+            latest = self.latest()
         finally:
             ahead.result()
+        if guess in self._manifests and (latest is None or latest < guess):
+            return guess  # published while the request waited
+        return latest
 
-    def _manifest_if_there(self, version: int) -> None:
+    def _manifest_if_there(self, version: int, wait: float = 0.0) -> None:
         with contextlib.suppress(DeltaSyncError):  # not yet published, or unreadable: `prepare`
+            if wait > 0 and version not in self._manifests:
+                data = self.store.get_wait(manifest_key(version), wait)
+                self._manifests[version] = decode_manifest(data, version)
             self.manifest(version)  # asks again for the version `latest` names
 
     def manifest(self, version: int) -> Manifest:
@@ -293,10 +302,13 @@ class Subscriber:
         self._shards[key] = data
         return data, False
 
-    def prepare(self, version: int | None = None) -> Prepared:
-        """Download, verify and decode `version` (default: the latest) without touching state."""
+    def prepare(self, version: int | None = None, *, wait: float = 0.0) -> Prepared:
+        """Download, verify and decode `version` (default: the latest) without touching state.
+
+        `wait` (seconds, with no `version`): if nothing newer than ours is published yet,
+        wait up to that long for the next version (a long-poll; see `_latest_and_next`)."""
         t0 = time.perf_counter()
-        target = self._latest_and_next() if version is None else version
+        target = self._latest_and_next(wait) if version is None else version
         if target is None:
             raise nothing_published(self.store)
         m = self.manifest(target)
@@ -355,9 +367,11 @@ class Subscriber:
         prepared.spilled_bytes = 0 if spill is None else spill.nbytes
         return prepared
 
-    def pull(self, state: Mapping[str, Any], version: int | None = None) -> PullReport:
+    def pull(
+        self, state: Mapping[str, Any], version: int | None = None, *, wait: float = 0.0
+    ) -> PullReport:
         """prepare + apply in one call."""
-        return self.prepare(version).apply(state)
+        return self.prepare(version, wait=wait).apply(state)
 
     def materialize(self, version: int | None = None, *, as_torch: bool = False) -> dict[str, Any]:
         """A fresh copy of `version` (default: latest), from its anchor: numpy arrays (bf16

@@ -10,10 +10,13 @@ Layout of a published stream (the same on every backend):
 from __future__ import annotations
 
 import re
+import time
 from abc import ABC, abstractmethod
 
 from tandem.delta_sync.errors import NotFoundError, StoreError
 
+POLL_S = 0.005  # how often a long-poll on a store without one of its own looks again
+MAX_WAIT_S = 60.0  # the longest long-poll a server holds a request for
 _KEY = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
 
@@ -31,6 +34,21 @@ class Store(ABC):
     @abstractmethod
     def get(self, key: str) -> bytes:
         """The object's bytes; NotFoundError if absent, StoreError if unreachable."""
+
+    def get_wait(self, key: str, wait: float) -> bytes:
+        """`get`, waiting up to `wait` seconds for the object to appear (a long-poll: a
+        subscriber asks for the next version's manifest before it is published and has it
+        the moment it is, instead of a round trip after). NotFoundError if still absent.
+        This default asks every few milliseconds (fine for a local store); an HTTP store
+        passes the wait to its server, so the waiting costs no round trips."""
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            try:
+                return self.get(key)
+            except NotFoundError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(POLL_S)
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:

@@ -10,7 +10,7 @@ import urllib.parse
 import structlog
 
 from tandem.delta_sync.errors import NotFoundError, StoreError
-from tandem.delta_sync.stores.base import Store, check_key
+from tandem.delta_sync.stores.base import MAX_WAIT_S, Store, check_key
 
 log = structlog.get_logger()
 
@@ -111,9 +111,11 @@ class HttpStore(Store):
                 raise OSError(f"short read: {len(body)} of {length} bytes")
             return resp.status, resp.reason, body
 
-    def _request(self, key: str, method: str) -> bytes | None:
+    def _request(self, key: str, method: str, wait: float = 0.0) -> bytes | None:
         url = self._url(key)
         path = f"{self._path}/{urllib.parse.quote(key)}"
+        if wait > 0:
+            path += f"?wait={wait:.3f}"
         for attempt in range(self.retries + 1):
             try:
                 status, reason, body = self._once(path, method)
@@ -138,6 +140,15 @@ class HttpStore(Store):
         body = self._request(key, "GET")
         if body is None:
             raise NotFoundError(f"{key!r} not found at {self.base_url}")
+        return body
+
+    def get_wait(self, key: str, wait: float) -> bytes:
+        # the server holds the request until the object is there: no round trip after;
+        # the wait stays well inside the socket timeout, so a held request is not a failure
+        wait = min(wait, self.timeout / 2, MAX_WAIT_S)
+        body = self._request(key, "GET", wait) if wait > 0 else self._request(key, "GET")
+        if body is None:
+            raise NotFoundError(f"{key!r} not found at {self.base_url} (waited {wait:.1f} s)")
         return body
 
     def exists(self, key: str) -> bool:

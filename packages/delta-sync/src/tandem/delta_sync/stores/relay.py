@@ -70,13 +70,18 @@ class RelayStore(Store):
         return f"relay of {self.origin.describe()} (cache {self.cache.describe()})"
 
     def get(self, key: str) -> bytes:
+        return self.get_wait(key, 0.0)
+
+    def get_wait(self, key: str, wait: float) -> bytes:
+        """`get`, the origin asked to hold the request until the object appears (a
+        subscriber's long-poll for the next manifest passes through to the origin)."""
         check_key(key)
         if is_latest(key):
             return self._get_latest(key)
         try:
             data = self.cache.get(key)
         except NotFoundError:
-            return self._fetch(key)
+            return self._fetch(key, wait)
         with self._lock:
             self.stats.cache_hits += 1
         return data
@@ -105,11 +110,14 @@ class RelayStore(Store):
             self.stats.latest_gets += 1
         return data
 
-    def _fetch(self, key: str) -> bytes:
-        """Fetch `key` from the origin once, however many threads ask for it at a time."""
+    def _fetch(self, key: str, wait: float = 0.0) -> bytes:
+        """Fetch `key` from the origin once, however many threads ask for it at a time (a
+        long-poll's `wait` counts the time spent waiting for another thread's fetch)."""
+        deadline = time.monotonic() + wait
         with self._lock:
             gate = self._fetching.setdefault(key, threading.Lock())
         with gate:
+            wait = deadline - time.monotonic()
             try:
                 try:  # a thread that waited on the gate finds it fetched
                     data = self.cache.get(key)
@@ -119,7 +127,7 @@ class RelayStore(Store):
                     with self._lock:
                         self.stats.cache_hits += 1
                     return data
-                data = self.origin.get(key)
+                data = self.origin.get_wait(key, wait) if wait > 0 else self.origin.get(key)
                 with self._lock:
                     self.stats.origin_gets += 1
                     self.stats.origin_bytes += len(data)

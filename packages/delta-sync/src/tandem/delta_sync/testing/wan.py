@@ -92,13 +92,13 @@ class Engine:
         self.sub = Subscriber(store, workers=workers)
         self.state: dict[str, np.ndarray] | None = None
 
-    def pull(self, version: int | None = None) -> Future[dict[str, Any]]:
-        return self.thread.submit(self._pull, version)
+    def pull(self, version: int | None = None, wait: float = 0.0) -> Future[dict[str, Any]]:
+        return self.thread.submit(self._pull, version, wait)
 
-    def _pull(self, version: int | None) -> dict[str, Any]:
+    def _pull(self, version: int | None, wait: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
-            prepared = self.sub.prepare(version)
+            prepared = self.sub.prepare(version, wait=wait)
             if self.state is None:  # a fresh engine: empty tensors shaped by the manifest
                 infos = prepared.manifest.tensors(None)
                 self.state = {n: np.zeros(i.shape, numpy_dtype(i.dtype)) for n, i in infos.items()}
@@ -278,7 +278,15 @@ class Wan:
         """Every engine (of `regions`, default all) pulls `version` (default latest), all at
         once; their answers, in engine order."""
         chosen = [e for e in self.engines if regions is None or e.region in regions]
-        futures = [e.pull(version) for e in chosen]
+        return self.gather([e.pull(version) for e in chosen], timeout)
+
+    def await_next(self, wait: float = 60.0) -> list[Future[dict[str, Any]]]:
+        """Every engine waits for the version after its own (a long-poll for its manifest,
+        held by its relay and the origin) and pulls it; `gather` their answers."""
+        return [e.pull(None, wait) for e in self.engines]
+
+    def gather(self, futures: list[Future[dict[str, Any]]], timeout: float) -> list[dict[str, Any]]:
+        """The engines' answers, in order, or an error naming how many did not finish."""
         _done, pending = wait(futures, timeout=timeout)
         if pending:
             raise DeltaSyncError(f"{len(pending)} engines did not finish within {timeout:g} s")
