@@ -28,6 +28,7 @@ from tandem.delta_sync.errors import (
     StoreError,
 )
 from tandem.delta_sync.manifest import Manifest
+from tandem.delta_sync.prepared import Prepared
 from tandem.delta_sync.publisher import Publisher
 from tandem.delta_sync.reports import PayloadReport, PublishReport, PullReport
 from tandem.delta_sync.safetensors_io import load_safetensors, save_safetensors
@@ -39,7 +40,7 @@ from tandem.delta_sync.stores import (
     Store,
     open_store,
 )
-from tandem.delta_sync.subscriber import Prepared, Subscriber
+from tandem.delta_sync.subscriber import Subscriber
 from tandem.delta_sync.torch_interop import to_torch
 
 __version__ = _version("tandem-delta-sync")

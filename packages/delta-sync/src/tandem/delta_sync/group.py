@@ -31,6 +31,7 @@ from tandem.delta_sync.manifest import (
     encode_manifest,
     manifest_key,
     part_key,
+    read_latest,
 )
 from tandem.delta_sync.stores.base import Store
 from tandem.delta_sync.tensors import state_digest
@@ -138,3 +139,16 @@ def await_commit(store: Store, version: int, committer: str, timeout: float) -> 
         timeout,
     )
     return decode_manifest(data, version)
+
+
+def check_publishable(store: Store, version: int, last: int | None) -> None:
+    """Refuse to publish over another publisher's stream or an existing version (``last``:
+    the version this publisher published last)."""
+    latest = read_latest(store)
+    if latest is not None and latest.version != last:
+        raise DeltaSyncError(
+            f"the store's latest version is {latest.version} but this publisher last "
+            f"published {last}: another publisher is writing to {store.describe()}"
+        )
+    if store.exists(manifest_key(version)):
+        raise DeltaSyncError(f"version {version} already exists in {store.describe()}")

@@ -9,9 +9,8 @@ publish again re-uses the shards that were already uploaded.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,12 @@ import structlog
 
 from tandem.delta_sync.aliases import check_same_ties, split_aliases
 from tandem.delta_sync.base_copy import keep_copy
-from tandem.delta_sync.codec.container import shard_digest, shard_key
 from tandem.delta_sync.codec.encoder import encode_state, tensor_infos
 from tandem.delta_sync.errors import DeltaSyncError, StoreError
 from tandem.delta_sync.group import (
     await_commit,
     check_group,
+    check_publishable,
     commit_group,
     commit_version,
     write_part,
@@ -35,8 +34,6 @@ from tandem.delta_sync.manifest import (
     Part,
     PartRecord,
     Payload,
-    ShardRef,
-    manifest_key,
     read_latest,
 )
 from tandem.delta_sync.mapped_base import MappedBase, adopt_mapped
@@ -46,6 +43,7 @@ from tandem.delta_sync.stores.base import Store
 from tandem.delta_sync.subscriber import Subscriber
 from tandem.delta_sync.tensor_view import TensorView
 from tandem.delta_sync.tensors import view_of, views_of
+from tandem.delta_sync.uploads import ShardUploads
 
 log = structlog.get_logger()
 
@@ -206,7 +204,7 @@ class Publisher:
             check_same_ties(self._aliases, aliases, last)
         # The store is checked (two round trips to an object store) while the version
         # encodes; nothing is committed before the check has passed.
-        store_check = self._io.get().submit(self._check_store, version, last)
+        store_check = self._io.get().submit(check_publishable, self.store, version, last)
         if first:
             store_check.result()  # a new publisher fails before doing any work
 
@@ -344,17 +342,6 @@ class Publisher:
                 f"({e}); publish version {version} again to finish"
             ) from e
 
-    def _check_store(self, version: int, last: int | None) -> None:
-        """Refuse to publish over another publisher's stream or an existing version."""
-        latest = read_latest(self.store)
-        if latest is not None and latest.version != last:
-            raise DeltaSyncError(
-                f"the store's latest version is {latest.version} but this publisher last "
-                f"published {last}: another publisher is writing to {self.store.describe()}"
-            )
-        if self.store.exists(manifest_key(version)):
-            raise DeltaSyncError(f"version {version} already exists in {self.store.describe()}")
-
     def _publish_payload(
         self,
         version: int,
@@ -368,36 +355,15 @@ class Publisher:
         advance_base: bool,
     ) -> tuple[Payload, PayloadReport, dict[str, str]]:
         what = "anchor" if base_version is None else f"delta from {base_version}"
-        refs: list[ShardRef] = []
-        in_flight: deque[tuple[int, Future[bool]]] = deque()
-        counts = {"uploaded": 0, "skipped": 0}
-
-        def upload(index: int, key: str, data: bytes) -> bool:
-            try:
-                if self.store.exists(key):
-                    return False
-                self.store.put(key, data)
-                return True
-            except StoreError as e:
-                raise StoreError(
-                    f"publishing version {version} ({what}): shard {index} ({key}): {e}; "
-                    "the previous version is intact, publish again to resume"
-                ) from e
-
-        def finish(fut: Future[bool]) -> None:
-            counts["uploaded" if fut.result() else "skipped"] += 1
-
-        def on_shard(data: bytes) -> None:
-            digest = shard_digest(data)
-            key = shard_key(digest)
-            refs.append(ShardRef(key, len(data), digest))
-            in_flight.append((len(refs) - 1, io.submit(upload, len(refs) - 1, key, data)))
-            while len(in_flight) > self.upload_workers:
-                finish(in_flight.popleft()[1])
-            if self.progress is not None:
-                self.progress("upload", len(data))
-
-        on_chunk = (lambda n: self.progress("encode", n)) if self.progress else None
+        progress = self.progress
+        uploads = ShardUploads(
+            self.store,
+            io,
+            self.upload_workers,
+            f"publishing version {version} ({what})",
+            on_upload=(lambda n: progress("upload", n)) if progress else None,
+        )
+        on_chunk = (lambda n: progress("encode", n)) if progress else None
         try:
             stats = encode_state(
                 views,
@@ -406,24 +372,29 @@ class Publisher:
                 level=self.level,
                 pool=pool,
                 shard_bytes=self.shard_bytes,
-                on_shard=on_shard,
+                on_shard=uploads.add,
                 hash_new=hash_new,
                 advance_base=advance_base,
                 on_chunk=on_chunk,
             )
-            while in_flight:
-                finish(in_flight.popleft()[1])
+            uploads.finish()
         finally:
-            for _, fut in in_flight:
-                fut.cancel()
-            wait([fut for _, fut in in_flight])  # no upload outlives a failed publish
+            uploads.abandon()
         kind = "full" if base_version is None else "delta"
         base_digest = None
         if base_version is not None:
             base_m = self._prev_manifest if advance_base else self._anchor_manifest
             base_digest = base_m.digest  # type: ignore[union-attr]
+        refs = uploads.refs
         payload = Payload(kind, base_version, base_digest, refs, stats.changed, stats.chunks)
         report = PayloadReport(
-            kind, base_version, payload.nbytes, stats.changed, stats.chunks, len(refs), **counts
+            kind,
+            base_version,
+            payload.nbytes,
+            stats.changed,
+            stats.chunks,
+            len(refs),
+            uploaded=uploads.uploaded,
+            skipped=uploads.skipped,
         )
         return payload, report, stats.digests

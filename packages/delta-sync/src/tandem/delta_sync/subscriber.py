@@ -24,20 +24,19 @@ from typing import Any
 import numpy as np
 import structlog
 
-from tandem.delta_sync.aliases import bind, restore_aliases
+from tandem.delta_sync.aliases import restore_aliases
 from tandem.delta_sync.codec.container import shard_digest
-from tandem.delta_sync.codec.patch import StagedPatch, apply_patch, check_targets, stage
+from tandem.delta_sync.codec.patch import stage
 from tandem.delta_sync.dtypes import numpy_dtype
 from tandem.delta_sync.errors import DeltaSyncError, IntegrityError, NotFoundError, StoreError
 from tandem.delta_sync.manifest import Manifest, decode_manifest, manifest_key, read_latest
 from tandem.delta_sync.parallel import KeptPool, default_workers, ordered_map
+from tandem.delta_sync.prepared import Prepared, Step
 from tandem.delta_sync.reports import PullReport
 from tandem.delta_sync.spill import Spill
 from tandem.delta_sync.stores.base import Store, nothing_published
 
 log = structlog.get_logger()
-
-Step = tuple[int, int | None]  # (version, base version or None for its anchor payload)
 
 
 def _mapped(path: Path) -> memoryview:
@@ -47,82 +46,6 @@ def _mapped(path: Path) -> memoryview:
         if os.fstat(f.fileno()).st_size == 0:
             return memoryview(b"")
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-
-
-class Prepared:
-    """A version downloaded, verified and decoded; `apply` patches a state with it."""
-
-    def __init__(
-        self,
-        subscriber: Subscriber,
-        manifest: Manifest,
-        from_version: int | None,
-        path: list[Step],
-        patch: StagedPatch | None,
-        downloaded: int,
-        cached: int,
-        prepare_seconds: float,
-    ) -> None:
-        self.subscriber = subscriber
-        self.manifest = manifest
-        self.version = manifest.version
-        self.from_version = from_version
-        self.path = path
-        self.patch = patch
-        self.downloaded_bytes = downloaded
-        self.cached_bytes = cached
-        self.prepare_seconds = prepare_seconds
-        self.spilled_bytes = 0  # staged streams moved to a file in `cache_dir`
-
-    @property
-    def staged_bytes(self) -> int:
-        return 0 if self.patch is None else self.patch.nbytes
-
-    def apply(self, state: Mapping[str, Any]) -> PullReport:
-        """Patch `state` (which must be at `from_version`) in place; the engine's pause."""
-        t0 = time.perf_counter()
-        sub = self.subscriber
-        label = f"version {self.version}"
-        if sub.version != self.from_version:
-            raise DeltaSyncError(
-                f"{label} was prepared from version {self.from_version} but the subscriber "
-                f"is now at {sub.version}; prepare again"
-            )
-        stored = self.manifest.tensors(sub.parts)
-        aliases = self.manifest.aliases(sub.parts)
-        views, targets, sources = bind(state, stored, aliases, label)
-        check_targets(views, targets, label)
-        if self.patch is not None:
-            apply_patch(
-                self.patch,
-                views,
-                targets,
-                chunk_bytes=self.manifest.chunk_bytes,
-                pool=sub._pool.get(),
-                label=f"{label} (from {self.from_version})",
-                sources=sources,
-            )
-        sub.version = self.version
-        sub.clear_cache()
-        report = PullReport(
-            version=self.version,
-            from_version=self.from_version,
-            path=self.path,
-            downloaded_bytes=self.downloaded_bytes,
-            cached_bytes=self.cached_bytes,
-            changed=0 if self.patch is None else self.patch.changed,
-            prepare_seconds=self.prepare_seconds,
-            apply_seconds=time.perf_counter() - t0,
-        )
-        log.info(
-            "delta_sync.applied",
-            version=self.version,
-            from_version=self.from_version,
-            downloaded=self.downloaded_bytes,
-            prepare_s=round(report.prepare_seconds, 3),
-            apply_s=round(report.apply_seconds, 3),
-        )
-        return report
 
 
 class Subscriber:
