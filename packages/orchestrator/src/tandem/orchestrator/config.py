@@ -21,6 +21,7 @@ import msgspec
 from tandem.agent_env import EnvConfig, SandboxError, check_task_family
 from tandem.grpo.config import GRPOConfig
 from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.model.model_dir import with_checkpoint_shapes
 
 CATEGORY_KEYS = ("function", "bug_kind")
 """The metadata fields that name a generated task's category (its function and bug kind)."""
@@ -361,7 +362,7 @@ def byte_level_model() -> MoEConfig:
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything the stages (mid-training, RL, evaluation) read; one TOML file describes a
     whole run. ``policy``: the policy directory RL and evaluation start from (default: the
-    run's ``midtrained/``)."""
+    run's ``midtrained/``, or ``model.path``, a Hugging Face directory, while there is none)."""
 
     run: RunSettings = msgspec.field(default_factory=RunSettings)
     model: MoEConfig = msgspec.field(default_factory=byte_level_model)
@@ -376,6 +377,8 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     policy: str = ""
 
     def __post_init__(self) -> None:
+        if self.model.path:  # the checkpoint's shapes, checked
+            self.model = with_checkpoint_shapes(self.model, byte_level_model(), name="model")
         _require(
             self.trainer.processes <= self.rl.groups_per_step,
             "trainer.processes",
@@ -390,4 +393,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def policy_dir(self) -> Path:
-        return Path(self.policy) if self.policy else self.run_dir / "midtrained"
+        midtrained = self.run_dir / "midtrained"
+        if self.policy or (self.model.path and not midtrained.exists()):
+            return Path(self.policy or self.model.path)
+        return midtrained

@@ -1,4 +1,4 @@
-"""The reference Qwen3-MoE-like transformer, its KV cache and Hugging Face IO.
+"""The reference Qwen3-MoE / Qwen3 transformer, its KV cache and Hugging Face IO.
 
 Names are imported on first use, so `tandem.moe_determinism.model.config` (plain data)
 loads without torch.
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tandem.moe_determinism.model.cache import KVCache
     from tandem.moe_determinism.model.config import MoEConfig
-    from tandem.moe_determinism.model.hf import load_hf, save_hf
+    from tandem.moe_determinism.model.hf import load_hf, read_config, save_hf
     from tandem.moe_determinism.model.transformer import MoEOutput, MoETransformer
 
 _HOME = {
@@ -21,6 +21,7 @@ _HOME = {
     "MoEOutput": "transformer",
     "MoETransformer": "transformer",
     "load_hf": "hf",
+    "read_config": "hf",
     "save_hf": "hf",
 }
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "MoEOutput",
     "MoETransformer",
     "load_hf",
+    "read_config",
     "save_hf",
 ]
 

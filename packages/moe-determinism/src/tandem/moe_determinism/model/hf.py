@@ -1,9 +1,14 @@
-"""Save/load in the Hugging Face Qwen3-MoE layout (config.json + model.safetensors).
+"""Save/load in the Hugging Face layout (config.json + safetensors, sharded or not).
 
-The tensor names are those of Qwen3-MoE checkpoints on the Hub (one tensor per expert
-projection), which transformers and vLLM load directly. A shared expert, which Qwen3-MoE
-does not have, is written as `mlp.shared_expert.{gate,up,down}_proj` and flagged in the
-config with `shared_expert_intermediate_size`.
+The tensor names are those of Qwen3-MoE and Qwen3 checkpoints on the Hub (one tensor per
+expert projection, dense layers as ``mlp.{gate,up,down}_proj``), which transformers and
+vLLM load directly. A shared expert, which Qwen3-MoE does not have, is written as
+``mlp.shared_expert.{gate,up,down}_proj`` and flagged in the config with
+``shared_expert_intermediate_size``.
+
+Loading streams: the model is built without memory (meta device), then materialised once in
+the target dtype and filled tensor by tensor from memory-mapped shards, so the host holds
+the model plus one tensor, never a second copy of the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,156 +16,197 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.model.hf_config import to_hf_config
+from tandem.moe_determinism.model.layers import MoEBlock, SwiGLU
+from tandem.moe_determinism.model.model_dir import INDEX_FILE, SINGLE_FILE, config_from_dir
 from tandem.moe_determinism.model.transformer import MoETransformer
 
-_CONFIG_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "moe_intermediate_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "norm_topk_prob",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "initializer_range",
-)
+
+def _swiglu_names(prefix: str, mlp: SwiGLU) -> dict[str, torch.Tensor]:
+    return {
+        f"{prefix}{n}.weight": getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")
+    }
 
 
-def hf_config(cfg: MoEConfig, dtype: torch.dtype) -> dict:
-    out = {k: getattr(cfg, k) for k in _CONFIG_KEYS}
-    out.update(
-        architectures=["Qwen3MoeForCausalLM"],
-        model_type="qwen3_moe",
-        hidden_act="silu",
-        intermediate_size=cfg.moe_intermediate_size,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        attention_bias=False,
-        attention_dropout=0.0,
-        rope_theta=cfg.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        output_router_logits=False,
-        router_aux_loss_coef=0.0,
-        use_cache=True,
-        torch_dtype=str(dtype).removeprefix("torch."),
-        tandem_kv_split_size=cfg.kv_split_size,
-    )
-    if cfg.shared_expert_intermediate_size:
-        out["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
-    return out
-
-
-def hf_state_dict(model: MoETransformer) -> dict[str, torch.Tensor]:
+def hf_tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
+    """Hugging Face name -> the model's tensor holding it (a view of a stacked expert
+    parameter for per-expert names). Shared by save (read) and load (write in place)."""
     cfg = model.config
-    sd: dict[str, torch.Tensor] = {
+    out: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": model.embed_tokens.weight,
         "model.norm.weight": model.norm.weight,
     }
     if not cfg.tie_word_embeddings:
-        sd["lm_head.weight"] = model.lm_head.weight
+        out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
-        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[p + f"self_attn.{name}.weight"] = getattr(layer.self_attn, name).weight
-        sd[p + "self_attn.q_norm.weight"] = layer.self_attn.q_norm.weight
-        sd[p + "self_attn.k_norm.weight"] = layer.self_attn.k_norm.weight
+        out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            out[p + f"self_attn.{name}.weight"] = getattr(layer.self_attn, name).weight
         mlp = layer.mlp
-        sd[p + "mlp.gate.weight"] = mlp.gate.weight
+        if isinstance(mlp, SwiGLU):
+            out.update(_swiglu_names(p + "mlp.", mlp))
+            continue
+        assert isinstance(mlp, MoEBlock)
+        out[p + "mlp.gate.weight"] = mlp.gate.weight
         for e in range(cfg.num_experts):
             for name in ("gate_proj", "up_proj", "down_proj"):
-                sd[p + f"mlp.experts.{e}.{name}.weight"] = getattr(mlp, name)[e]
+                out[p + f"mlp.experts.{e}.{name}.weight"] = getattr(mlp, name)[e]
         if mlp.shared_expert is not None:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                sd[p + f"mlp.shared_expert.{name}.weight"] = getattr(mlp.shared_expert, name).weight
-    return {k: v.detach().contiguous().clone() for k, v in sd.items()}
+            out.update(_swiglu_names(p + "mlp.shared_expert.", mlp.shared_expert))
+    return out
 
 
-def save_hf(model: MoETransformer, directory: str | Path) -> Path:
-    """Write config.json and model.safetensors; returns the directory."""
+def _copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+
+
+def hf_state_dict(model: MoETransformer) -> dict[str, torch.Tensor]:
+    """A detached copy of every tensor under its Hugging Face name."""
+    return _copied(hf_tensors(model))
+
+
+def _shards(
+    tensors: dict[str, torch.Tensor], max_shard_bytes: int | None
+) -> list[dict[str, torch.Tensor]]:
+    """Tensors in name order, cut into shards of at most ``max_shard_bytes`` (a tensor larger
+    than that gets a shard of its own)."""
+    if max_shard_bytes is None:
+        return [tensors]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def save_hf(
+    model: MoETransformer, directory: str | Path, *, max_shard_bytes: int | None = None
+) -> Path:
+    """Write config.json and the weights; returns the directory.
+
+    One ``model.safetensors`` by default; with ``max_shard_bytes``, shards
+    ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` once the weights
+    exceed it. Weight files of an earlier save in the directory are removed first, so a
+    loader never mixes two checkpoints.
+    """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
+    for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        old.unlink(missing_ok=True)
     dtype = next(model.parameters()).dtype
-    (path / "config.json").write_text(json.dumps(hf_config(model.config, dtype), indent=2))
-    save_file(hf_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(to_hf_config(model.config, dtype), indent=2))
+    # copies are made shard by shard (safetensors wants tensors that share no memory, and
+    # the experts are views of one stacked parameter): the host holds one shard extra
+    shards = _shards(hf_tensors(model), max_shard_bytes)
+    if len(shards) == 1:
+        save_file(_copied(shards[0]), str(path / SINGLE_FILE), metadata={"format": "pt"})
+        return path
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(_copied(shard), str(path / name), metadata={"format": "pt"})
+        for k, t in shard.items():
+            weight_map[k] = name
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return path
 
 
-def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> MoETransformer:
-    """Build a `MoETransformer` from a Qwen3-MoE directory (config.json + *.safetensors)."""
-    path = Path(directory)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise MoEDeterminismError(f"{cfg_file} not found: not a Hugging Face model directory")
-    raw = json.loads(cfg_file.read_text())
-    if raw.get("model_type") != "qwen3_moe":
+def _weight_files(path: Path) -> dict[str, list[str]]:
+    """Shard file -> tensor names to read from it (the index's map if there is one)."""
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise MoEDeterminismError(f"{index}: not a safetensors index (no weight_map)") from None
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        absent = sorted(f for f in files if not (path / f).exists())
+        if absent:
+            raise MoEDeterminismError(f"{index} names shards that are missing: {absent[:3]}")
+        return files
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
         raise MoEDeterminismError(
-            f"{cfg_file}: model_type is {raw.get('model_type')!r}, expected 'qwen3_moe'"
+            f"{path}: no model.safetensors, {INDEX_FILE} or other *.safetensors file"
         )
-    if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
-        raise MoEDeterminismError(
-            "dense (mlp_only) layers are not supported: every layer must be MoE"
-        )
-    theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get(
-        "rope_theta", 1_000_000.0
-    )
-    cfg = MoEConfig(
-        **{k: raw[k] for k in _CONFIG_KEYS if k in raw},
-        rope_theta=float(theta),
-        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
-        kv_split_size=int(raw.get("tandem_kv_split_size", 64)),
-    )
-    tensors: dict[str, torch.Tensor] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise MoEDeterminismError(f"no *.safetensors files in {path}")
-    for f in files:
-        tensors.update(load_file(str(f)))
-    model = MoETransformer(cfg)
-    expected = hf_state_dict(model)
-    missing = sorted(set(expected) - set(tensors))
+    out = {}
+    for f in found:
+        with safe_open(str(f), framework="pt") as sf:
+            out[f.name] = list(sf.keys())
+    return out
+
+
+def read_config(directory: str | Path) -> MoEConfig:
+    """The `MoEConfig` of a Hugging Face model directory (checked, see `hf_config`)."""
+    return config_from_dir(directory)
+
+
+def load_hf(
+    directory: str | Path, dtype: torch.dtype | None = None, *, config: MoEConfig | None = None
+) -> MoETransformer:
+    """Build a `MoETransformer` from a Qwen3-MoE or Qwen3 directory (config.json +
+    safetensors, sharded with an index or not), streaming tensor by tensor.
+
+    ``config``: build with this config instead (a run's, with its own ``path`` and
+    ``kv_split_size``); its other fields must be the directory's."""
+    path = Path(directory).expanduser()
+    # the model is its weights: where they were read from is the caller's to record
+    cfg = msgspec.structs.replace(read_config(path), path="")
+    if config is not None:
+        mine = msgspec.structs.replace(config, path="", kv_split_size=cfg.kv_split_size)
+        if mine != cfg:
+            raise MoEDeterminismError(f"{path}: config.json describes another model than {config}")
+        cfg = config
+    files = _weight_files(path)
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    targets = hf_tensors(model)
+    available = {name for names in files.values() for name in names}
+    missing = sorted(set(targets) - available)
     if missing:
         raise MoEDeterminismError(
             f"{path}: missing tensors, e.g. {missing[:3]} ({len(missing)} in all)"
         )
-    target_dtype = dtype or tensors["model.embed_tokens.weight"].dtype
-    model.to(target_dtype)
+    if dtype is None:  # the checkpoint's own dtype, read from its embedding
+        file = next(f for f, names in files.items() if "model.embed_tokens.weight" in names)
+        with safe_open(str(path / file), framework="pt") as sf:
+            dtype = sf.get_tensor("model.embed_tokens.weight").dtype
+    model = model.to(dtype).to_empty(device="cpu")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    targets = hf_tensors(model)
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
-        model.norm.weight.copy_(tensors["model.norm.weight"])
-        if not cfg.tie_word_embeddings:
-            model.lm_head.weight.copy_(tensors["lm_head.weight"])
-        for i, layer in enumerate(model.layers):
-            p = f"model.layers.{i}."
-            layer.input_layernorm.weight.copy_(tensors[p + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(
-                tensors[p + "post_attention_layernorm.weight"]
-            )
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(layer.self_attn, name).weight.copy_(tensors[p + f"self_attn.{name}.weight"])
-            layer.self_attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
-            layer.self_attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
-            mlp = layer.mlp
-            mlp.gate.weight.copy_(tensors[p + "mlp.gate.weight"])
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                stacked = torch.stack(
-                    [tensors[p + f"mlp.experts.{e}.{name}.weight"] for e in range(cfg.num_experts)]
-                )
-                getattr(mlp, name).copy_(stacked)
-            if mlp.shared_expert is not None:
-                for name in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(mlp.shared_expert, name).weight.copy_(
-                        tensors[p + f"mlp.shared_expert.{name}.weight"]
-                    )
+        for file, names in files.items():
+            with safe_open(str(path / file), framework="pt") as sf:
+                for name in names:
+                    target = targets.get(name)
+                    if target is None:
+                        continue  # e.g. lm_head.weight of a tied checkpoint
+                    t = sf.get_tensor(name)
+                    if t.shape != target.shape:
+                        raise MoEDeterminismError(
+                            f"{path / file}: {name} has shape {tuple(t.shape)}, config.json "
+                            f"implies {tuple(target.shape)}"
+                        )
+                    target.copy_(t)
     return model

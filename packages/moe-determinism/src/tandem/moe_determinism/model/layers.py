@@ -1,4 +1,4 @@
-"""Layers of the reference MoE transformer: RMSNorm, RoPE, GQA attention, SwiGLU MoE.
+"""Layers of the reference transformer: RMSNorm, RoPE, GQA attention, SwiGLU MoE or MLP.
 
 Every layer works on a flat list of tokens [N, hidden] (the valid tokens of a padded or
 packed batch, sequence after sequence); only attention needs to know which tokens belong
@@ -248,12 +248,19 @@ class MoEBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then an MoE block, or a dense SwiGLU MLP where the config says the layer is
+    dense (`MoEConfig.moe_layers`); a dense layer returns no routes."""
+
     def __init__(self, cfg: MoEConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoEBlock(cfg)
+        self.mlp: MoEBlock | SwiGLU = (
+            MoEBlock(cfg)
+            if layer_idx in cfg.moe_layers
+            else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size)
+        )
 
     def forward(
         self,
@@ -262,7 +269,9 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         replay_ids: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = x + self.self_attn(self.input_layernorm(x), layout, cos, sin)
+        if isinstance(self.mlp, SwiGLU):
+            return x + self.mlp(self.post_attention_layernorm(x)), None
         moe_out, ids = self.mlp(self.post_attention_layernorm(x), replay_ids)
         return x + moe_out, ids

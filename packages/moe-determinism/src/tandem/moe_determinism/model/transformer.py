@@ -31,7 +31,8 @@ from tandem.moe_determinism.replay import RouterReplay, RoutingTrace
 @dataclass
 class MoEOutput:
     """logits: [B, T, V] for padded input (zeros at padding), [N, V] for packed input.
-    route_ids: [N, layers, top_k] experts used by each valid token, in flat token order.
+    route_ids: [N, moe_layers, top_k] experts used by each valid token, in flat token order
+    (one entry per MoE layer, `MoEConfig.moe_layers`; none for a dense model).
     counts: new tokens per sequence (to split the flat outputs)."""
 
     logits: torch.Tensor
@@ -193,10 +194,11 @@ class MoETransformer(nn.Module):
         tokens, layout, scatter = self._layout(
             input_ids, lengths, cu_seqlens, cache, slots, parents
         )
+        moe_index = {layer: j for j, layer in enumerate(cfg.moe_layers)}
         if routing is not None:
             routing.bind(
                 layout.counts.tolist(),
-                cfg.num_hidden_layers,
+                len(moe_index),
                 cfg.num_experts_per_tok,
                 cfg.num_experts,
             )
@@ -206,13 +208,16 @@ class MoETransformer(nn.Module):
         all_ids = []
         for i, layer in enumerate(self.layers):
             # Take the layer's routes outside the checkpointed region: the recompute in backward
-            # receives the same tensor as an input and consumes nothing.
-            replay_ids = routing.take(i) if routing is not None else None
+            # receives the same tensor as an input and consumes nothing. Traces hold MoE layers
+            # only: entry j is the j-th MoE layer, dense layers neither take nor record routes.
+            j = moe_index.get(i)
+            replay_ids = routing.take(j) if routing is not None and j is not None else None
             if use_ckpt:
                 h, ids = checkpoint(layer, h, layout, cos, sin, replay_ids, use_reentrant=False)
             else:
                 h, ids = layer(h, layout, cos, sin, replay_ids)
-            all_ids.append(ids)
+            if ids is not None:
+                all_ids.append(ids)
         if routing is not None:
             routing.finish()
         if cache is not None:

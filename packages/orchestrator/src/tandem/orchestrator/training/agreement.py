@@ -61,7 +61,7 @@ def routing_check(
     """``n_check`` rows (same-version first) re-scored with and without replay, no gradient:
     how often the trainer routing freely picks the engine's experts."""
     out: dict[str, Any] = {}
-    if n_check > 0:
+    if n_check > 0 and model.config.moe_layers:  # a dense model has no routes to compare
         order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
         sub = batch.select(order)
         with torch.no_grad():

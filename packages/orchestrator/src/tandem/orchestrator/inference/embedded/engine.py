@@ -106,7 +106,7 @@ class InferenceEngine:
             PrefixIndex(
                 self.cache.lengths.numpy(),  # shares the cache's memory
                 config.max_len,
-                (mc.num_hidden_layers, mc.num_experts_per_tok),
+                (len(mc.moe_layers), mc.num_experts_per_tok),  # routes: MoE layers only
                 self.route_dtype,
             )
             if config.share_prefixes
