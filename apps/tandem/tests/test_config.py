@@ -5,6 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tandem.app.config import apply_overrides, dump_config, load_config, parse_override
@@ -92,6 +93,61 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         load_config(PipelineConfig, tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(PipelineConfig, _write(tmp_path, "[run\n"))
+
+
+def test_a_file_lists_what_it_changes_in_its_base(tmp_path: Path) -> None:
+    """Tables merge key by key (nested ones too), lists and values replace the base's, the
+    base's path is relative to the file, and overrides still win over both."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "a.toml").write_text(
+        "[run]\nname = 'a'\nseed = 3\n[tasks]\nfunctions = ['gcd', 'clamp']\n"
+        "[trainer.loss]\nclip_eps_high = 0.3\nmax_tokens = 100\n"
+    )
+    top = _write(
+        tmp_path,
+        "base = 'base/a.toml'\n[run]\nname = 'b'\n[tasks]\nfunctions = ['median']\n"
+        "[trainer.loss]\nmax_tokens = 200\n",
+    )
+    cfg = load_config(PipelineConfig, top, ["run.seed=4"])
+    assert (cfg.run.name, cfg.run.seed) == ("b", 4)
+    assert cfg.tasks.functions == ["median"]
+    assert (cfg.trainer.loss.clip_eps_high, cfg.trainer.loss.max_tokens) == (0.3, 200)
+    assert load_config(PipelineConfig, top).run.seed == 3
+
+
+def test_a_base_that_is_missing_circular_or_not_a_name_is_named(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text("base = 'b.toml'\n")
+    (tmp_path / "b.toml").write_text("base = 'a.toml'\n")
+    with pytest.raises(ConfigError, match=r"b\.toml: base = 'a\.toml' leads back to itself"):
+        load_config(PipelineConfig, tmp_path / "a.toml")
+    with pytest.raises(ConfigError, match=r"nope\.toml does not exist"):
+        load_config(PipelineConfig, _write(tmp_path, "base = 'nope.toml'\n"))
+    with pytest.raises(ConfigError, match=r"base must be a file name, not 3"):
+        load_config(PipelineConfig, _write(tmp_path, "base = 3\n"))
+
+
+def test_the_quick_config_is_the_demo_on_one_family() -> None:
+    """configs/quick.toml changes only what it says: its run's name, the task family, the
+    mid-training's length and mix, and the groups of a step."""
+    configs = Path(__file__).resolve().parents[3] / "configs"
+    quick = msgspec.to_builtins(load_config(PipelineConfig, configs / "quick.toml"))
+    demo = msgspec.to_builtins(load_config(PipelineConfig, configs / "demo.toml"))
+    changed = {
+        f"{section}.{key}"
+        for section in demo
+        for key in demo[section]
+        if quick[section][key] != demo[section][key]
+    }
+    assert changed == {
+        "run.name",
+        "tasks.functions",
+        "tasks.kinds",
+        "midtrain.steps",
+        "midtrain.transcripts",
+        "midtrain.transcript_fraction",
+        "rl.groups_per_step",
+    }
+    assert quick["tasks"]["functions"] == ["gcd"] and quick["midtrain"]["steps"] == 80
 
 
 def test_dump_shows_every_setting_and_loads_back_to_the_same_config(tmp_path: Path) -> None:

@@ -8,12 +8,16 @@ authentication on as it does by default), and a Ray temp directory of the test's
 head node does not become the default cluster of other Ray users of this machine and its
 processes are found and stopped without touching anyone else's. What the test changes in the
 commands: the head's port (a free one, for 6379 may be taken), and ``--set`` overrides of
-the output directory and of the RL steps' size (one group a step) appended to `tandem`
-commands. A README command that needed any other variable or setting would fail here.
+the output directory, of the periodic checkpoints (none, so that the one written on Ctrl-C
+is what resumes) and of the log format appended to `tandem` commands. A README command
+that needed any other variable or setting would fail here.
 
-It is ``slow``: the README's mid-training alone takes about 6 min on 2 cores, and a policy
-mid-trained for less gives GRPO no signal (no step would ever train). ``TANDEM_MIDTRAINED``
-set to the ``midtrained/`` directory of an earlier run skips that part.
+The walk-through mid-trains with the README's quick-check config (``configs/quick.toml``:
+one task family, 80 steps, about 1 min on 2 cores), whose policy fixes some of its tasks, so
+GRPO has signal from the first step; a weaker one would leave every step waiting on
+``rl.no_signal``. The whole test takes about 3.5 min on 2 cores: it is ``slow``, and CI
+(``.ci/run``) runs it after the default suite. ``TANDEM_MIDTRAINED`` set to the
+``midtrained/`` directory of an earlier run skips the mid-training.
 
 The run: mid-train, token, head node, `train` to two RL steps that train and publish, a
 worker added (pending when the node has no room, with a warning) and removed while it
@@ -41,12 +45,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tandem.app.config import load_config
+from tandem.app.pipeline_config import PipelineConfig
+
 ROOT = Path(__file__).resolve().parents[3]
 UV = os.environ.get("UV", "uv")
 
 SMALL = [
-    # one group a step, a checkpoint only when asked to stop
-    "rl.groups_per_step=1",
+    # a checkpoint only when asked to stop
     "rl.checkpoint_every=1000",
     "logging.format=console",
 ]
@@ -70,6 +76,11 @@ def _command(commands: list[str], prefix: str) -> str:
     return found[0]
 
 
+def _option(command: str, name: str) -> str:
+    argv = shlex.split(command)
+    return argv[argv.index(name) + 1]
+
+
 def test_the_walkthrough_is_one_machine_with_nothing_to_export() -> None:
     commands = walkthrough((ROOT / "README.md").read_text())
     assert [c.split()[2:4] for c in commands] == [
@@ -85,6 +96,13 @@ def test_the_walkthrough_is_one_machine_with_nothing_to_export() -> None:
     # a single 2-core node holds the actors as sized in the train command
     assert "rl.ray.worker_cpus=0.5" in _command(commands, "uv run tandem train")
     assert not any("=" in c.split()[0] for c in commands)  # no VAR=value prefix
+    # train starts from what midtrain wrote, and the workers commands name that run
+    config = _option(_command(commands, "uv run tandem midtrain"), "-c")
+    assert _option(_command(commands, "uv run tandem train"), "-c") == config
+    run = load_config(PipelineConfig, ROOT / config).run.name
+    for c in commands:
+        if c.startswith("uv run tandem workers"):
+            assert _option(c, "--run") == run, c
 
 
 def _free_port() -> int:
@@ -93,15 +111,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _of_this_head(p: psutil.Process, marker: str) -> bool:
+    """Whether ``p`` names ``marker`` (this test's Ray temp directory) in its command line or
+    has it as its ``RAY_TMPDIR``: Ray's client server, detached from the head, does only the
+    latter."""
+    if any(marker in a for a in p.info["cmdline"] or []):
+        return True
+    return p.environ().get("RAY_TMPDIR") == marker
+
+
 def _stop_processes_of(marker: str) -> None:
-    """SIGKILL every process whose command line names ``marker`` (this test's Ray temp
-    directory), with its descendants: the head node's processes and their workers."""
+    """SIGKILL every process of this test's head node (see `_of_this_head`), with its
+    descendants: the head node's processes and their workers."""
     me = psutil.Process()
     skip = {me.pid, *(p.pid for p in me.parents())}
     found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if p.pid not in skip and any(marker in a for a in p.info["cmdline"] or []):
+            if p.pid not in skip and _of_this_head(p, marker):
                 found[p.pid] = p
                 found.update((c.pid, c) for c in p.children(recursive=True))
         except psutil.Error:
@@ -125,6 +152,7 @@ class Walkthrough:
         self.env.update(HOME=str(home), RAY_TMPDIR=str(self.ray_tmp), PYTHONUNBUFFERED="1")
         self.env["UV_CACHE_DIR"] = os.environ.get("UV_CACHE_DIR") or _uv_cache()
         self.commands = [c.replace("6379", str(self.port)) for c in commands]
+        self.run_name = _option(_command(commands, "uv run tandem workers add"), "--run")
 
     def argv(self, prefix: str) -> list[str]:
         argv = shlex.split(_command(self.commands, prefix))
@@ -157,7 +185,7 @@ class Walkthrough:
         )
 
     def metrics(self) -> list[dict]:
-        path = self.runs / "demo" / "rl" / "metrics.jsonl"
+        path = self.runs / self.run_name / "rl" / "metrics.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -198,14 +226,14 @@ def _done(r: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[st
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2700)
+@pytest.mark.timeout(1200)
 def test_the_cluster_walkthrough_runs_as_written(walk: Walkthrough, tmp_path: Path) -> None:
     t0 = time.monotonic()
     figures: dict[str, float | str] = {}
     if MIDTRAINED:
-        shutil.copytree(MIDTRAINED, walk.runs / "demo" / "midtrained")
+        shutil.copytree(MIDTRAINED, walk.runs / walk.run_name / "midtrained")
     else:
-        _done(walk.run("uv run tandem midtrain", timeout=1800))
+        _done(walk.run("uv run tandem midtrain", timeout=600))
     figures["midtrain_s"] = round(time.monotonic() - t0, 1)
     _done(walk.run("uv run ray get-auth-token"))
     head = _done(walk.run("uv run ray start", timeout=180))

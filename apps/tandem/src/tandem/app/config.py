@@ -85,6 +85,38 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p} cannot be read: {e}") from None
 
 
+BASE_KEY = "base"
+"""A config file's top-level key naming the config it changes (a path relative to the file)."""
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top``'s values set over it: tables merge key by key, any other value
+    (lists included) replaces the base's."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A TOML config with its ``base`` resolved: a file that names a base lists only what it
+    changes, so a variant of a run (a quick check, a bigger model) cannot drift from it."""
+    p = Path(path)
+    data = read_toml(p)
+    base = data.pop(BASE_KEY, None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config file {p}: {BASE_KEY} must be a file name, not {base!r}")
+    base_path = p.parent / base
+    if base_path.resolve() in (*_seen, p.resolve()):
+        raise ConfigError(f"config file {p}: {BASE_KEY} = {base!r} leads back to itself")
+    return merge(read_config_file(base_path, (*_seen, p.resolve())), data)
+
+
 def _describe(err: msgspec.ValidationError) -> str:
     """Turn msgspec's ``... - at `$.a.b` `` into ``a.b: ...`` so the key comes first."""
     head, sep, path = str(err).rpartition(" - at `")
@@ -109,8 +141,9 @@ def build_config(cls: type[T], data: dict[str, Any], source: str = "config") -> 
 def load_config(
     cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None
 ) -> T:
-    """Load ``cls`` from an optional TOML file plus dotted overrides (later wins)."""
-    data = read_toml(path) if path is not None else {}
+    """Load ``cls`` from an optional TOML file (on top of its ``base``, if it names one) plus
+    dotted overrides (later wins)."""
+    data = read_config_file(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     return build_config(cls, data, source=str(path) if path is not None else "config")
 
