@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem.moe_determinism import batch_invariant
 from tandem.moe_determinism.ops import gemm, tiles
 
 
@@ -77,3 +78,29 @@ def test_workers_leave_the_callers_thread_count_alone(threads: int) -> None:
     t.join()
     assert torch.get_num_threads() == threads
     assert seen == [threads]
+
+
+def test_backward_through_the_tile_products(threads: int) -> None:
+    """Gradients flow through every product `batch_invariant()` covers, with products large
+    enough to be shared by the workers and with K over one tile: no tile product ever runs
+    its `out=` kernel on operands that record a graph (which autograd refuses)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 100, 600, generator=gen)
+    w = torch.randn(300, 600, generator=gen)
+    bx = torch.randn(3, 40, 600, generator=gen)
+    bw = torch.randn(3, 600, 90, generator=gen)
+    q = torch.randn(20, 16, 24, generator=gen)
+    kt = torch.randn(20, 24, 33, generator=gen)
+
+    def loss(x, w, bx, bw, q, kt):
+        out = F.linear(x, w).square().mean() + torch.matmul(x, w.t()).mean()
+        out = out + torch.bmm(bx, bw).square().mean() + gemm.fixed_shape_bmm(q, kt).mean()
+        return out + gemm.mm(x[0], w.t()).mean() + gemm.bmm(bx, bw).mean()
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, bx, bw, q, kt)]
+    with batch_invariant():
+        loss(*leaves).backward()
+    stock = [t.clone().requires_grad_() for t in (x, w, bx, bw, q, kt)]
+    loss(*stock).backward()
+    for ours, ref in zip(leaves, stock, strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-4, atol=1e-5)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tandem.moe_determinism.errors import MoEDeterminismError
-from tandem.moe_determinism.ops import tiles
+from tandem.moe_determinism.ops import tiles, workers
 
 
 def cuda_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -68,8 +68,9 @@ def _needs_graph(a: torch.Tensor, b: torch.Tensor) -> bool:
 def fixed_shape_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[P, R, K] @ [P, K, N] for operands whose per-matrix shape the caller keeps fixed.
 
-    On the CPU each matrix is a tile of `tiles` (no extra row padding): its bits do not
-    depend on P or on the thread count. Supports autograd."""
+    On the CPU each matrix is a tile of `tiles` (no extra row padding), computed in batched
+    calls of exactly `tiles.BATCH` items: its bits do not depend on P, on its place among
+    the P, or on the thread count. Supports autograd."""
     if _needs_graph(a, b):
         return _FixedBmm.apply(a, b)
     return _fixed_bmm(a, b)
@@ -79,7 +80,8 @@ def _fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
     if a.is_cuda:
         return torch.bmm(a, b, out=out)
-    tiles.run_parallel(tiles.tile_jobs(a, b, out), a.numel() * b.shape[2])
+    jobs = tiles.tile_jobs(a, b, out, batched=True)
+    workers.run_parallel(jobs, a.numel() * b.shape[2])
     return out
 
 
@@ -123,7 +125,7 @@ def bmm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     else:  # many matrices of few rows: per row tile, every matrix
         for i in range(blocks):
             jobs += tiles.tile_jobs(padded[:, i], b, out[:, i])
-    tiles.run_parallel(jobs, padded.numel() * n)
+    workers.run_parallel(jobs, padded.numel() * n)
     return out.view(g, blocks * r, n)[:, :m]
 
 
@@ -146,10 +148,16 @@ def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b.shape[1]
     if m == 0:
         return a.new_empty(0, n)
-    padded = tiles.pad_rows(a)  # [tiles, R, K]
+    padded = tiles.row_tiles(a)  # [tiles, R, K]
     out = torch.empty(padded.shape[0], padded.shape[1], n, dtype=a.dtype, device=a.device)
-    jobs = tiles.tile_jobs(padded, b.expand(padded.shape[0], k, n), out)
-    tiles.run_parallel(jobs, padded.numel() * n)
+    work = padded.numel() * n
+    if tiles.one_tile(k, n, a.element_size()) and (
+        torch.get_num_threads() == 1 or work < workers.SHARED_WORK
+    ):
+        jobs = [tiles.shared_weight_job(padded, b, out)]
+    else:
+        jobs = tiles.tile_jobs(padded, b.expand(padded.shape[0], k, n), out)
+    workers.run_parallel(jobs, work)
     return out.view(out.shape[0] * out.shape[1], n)[:m]
 
 

@@ -20,19 +20,21 @@ dimension between them. So no product here is ever handed to the BLAS as it come
    share the tiles, each tile wholly computed by one of them, so the thread count changes
    who computes a tile, never how.
 
-Each partial product is its own `torch.mm(..., out=)` call: torch's batched product calls
-the BLAS's batched entry point for several matrices and its plain GEMM for one, whose bits
-differ (MKL, one thread, [16, 1000] @ [1000, 1]), so grouping tiles would let the batch in.
+Products against one shared weight (`mm`, `bmm`) are one `torch.mm(..., out=)` call per
+tile. Products whose every item is its own pair of operands (`fixed_shape_bmm`: attention's
+query-block x KV-split pairs, thousands per prefill and a hundred per decode step) run as
+batched calls of exactly `BATCH` items: torch's batched product calls the BLAS's batched
+entry point for several matrices and its plain GEMM for one, whose bits differ (MKL, one
+thread, [16, 1000] @ [1000, 1]), so a batch never has another count. A short batch is
+padded with zero items (copies laid out like the items), a long one is cut into windows of
+`BATCH` (the last overlapping the one before). An item's bits there must not depend on its
+place in the batch nor on the other items: tested for every layout used.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-import queue
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
@@ -48,167 +50,59 @@ K_TILE = 512
 """Terms per partial product. Partials are added in tile order; K <= K_TILE is one tile."""
 
 
-def _loaded_library(fragment: str) -> ctypes.CDLL | None:
-    """A shared library this process has already loaded (by a fragment of its path)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if fragment in line and "/" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
+BATCH = 16
+"""Items per batched call of `fixed_shape_bmm`'s products: one call's overhead is spread
+over 16 small items (about 2.5x fewer microseconds than one call per item)."""
 
 
-class _ThreadLocalCount:
-    """Sets the calling thread's own OpenMP and MKL thread counts, nothing else.
-
-    `torch.set_num_threads` would do it too, but also records the count for threads torch
-    has not seen yet and clears oneDNN's primitive cache: process-wide effects, per call.
-    Available where torch runs on an OpenMP runtime loaded as a shared library (GNU, LLVM or
-    Intel); MKL is optional."""
-
-    def __init__(self) -> None:
-        self.omp = next(filter(None, map(_loaded_library, ("libgomp", "libomp", "libiomp"))), None)
-        torch_cpu = _loaded_library("libtorch_cpu")
-        # MKL's C entry point (the lower-case alias is the Fortran one, taking a pointer)
-        self.mkl = getattr(torch_cpu, "MKL_Set_Num_Threads_Local", None) if torch_cpu else None
-
-    @property
-    def available(self) -> bool:
-        return self.omp is not None
-
-    @contextmanager
-    def one(self) -> Iterator[None]:
-        assert self.omp is not None
-        before = self.omp.omp_get_max_threads()
-        self.omp.omp_set_num_threads(1)
-        mkl_before = self.mkl(1) if self.mkl is not None else 0
-        try:
-            yield
-        finally:
-            if self.mkl is not None:
-                self.mkl(mkl_before)  # 0: back to MKL's process-wide count
-            self.omp.omp_set_num_threads(before)
-
-
-class _Workers:
-    """Threads whose own OpenMP and BLAS thread count is 1, fed through one queue.
-
-    `torch.set_num_threads` sets the calling thread's OpenMP and MKL counts (both are
-    thread-local) and records the count that threads started later take; the creator
-    writes its own count back afterwards, so nothing outside the workers changes."""
-
-    def __init__(self, n: int) -> None:
-        self.tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        before = torch.get_num_threads()
-        ready = threading.Barrier(n + 1)
-        for i in range(n):
-            threading.Thread(
-                target=self._loop, args=(ready,), name=f"tile-worker-{i}", daemon=True
-            ).start()
-        ready.wait()
-        torch.set_num_threads(before)
-
-    def _loop(self, ready: threading.Barrier) -> None:
-        torch.get_num_threads()  # torch's per-thread setup first: it would undo the 1 below
-        torch.set_num_threads(1)
-        ready.wait()
-        while True:
-            self.tasks.get()()
-
-    def run(self, jobs: list[Callable[[], None]], caller: _ThreadLocalCount | None) -> None:
-        """Run the jobs on the workers, and on the caller too when it can be made
-        single-threaded; re-raise the first error once all have finished."""
-        done = threading.Semaphore(0)
-        errors: list[BaseException] = []
-        pending: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-
-        def take() -> None:  # one job, whichever is next
-            try:
-                pending.get_nowait()()
-            except queue.Empty:
-                return
-            except BaseException as exc:  # handed back to the caller below
-                errors.append(exc)
-            done.release()
-
-        for job in jobs:
-            pending.put(job)
-        for _ in jobs[1:] if caller is not None else jobs:
-            self.tasks.put(take)
-        if caller is not None:
-            with caller.one():
-                while not pending.empty():
-                    take()
-        for _ in jobs:
-            done.acquire()
-        if errors:
-            raise errors[0]
-
-
-_pools: dict[int, _Workers] = {}
-_pools_lock = threading.Lock()
-_caller = _ThreadLocalCount()
-
-
-def _workers(n: int) -> _Workers:
-    with _pools_lock:
-        if n not in _pools:
-            _pools[n] = _Workers(n)
-        return _pools[n]
-
-
-SHARED_WORK = 4_000_000
-"""Multiply-adds below which the caller computes every tile itself: handing a few small
-tiles to a worker costs more than it saves (and only moves who computes them)."""
-
-
-def run_parallel(jobs: list[Callable[[], None]], work: int) -> None:
-    """Run independent jobs (`work` multiply-adds in all), each wholly on one single-threaded
-    thread: the caller (its own OpenMP/MKL count set to 1 meanwhile) and
-    `torch.get_num_threads() - 1` workers.
-
-    With one torch thread the caller is single-threaded already and runs them in turn."""
-    threads = torch.get_num_threads()
-    if threads == 1:  # also inside a worker: jobs never nest across threads
-        for job in jobs:
-            job()
-        return
-    if _caller.available:
-        if len(jobs) == 1 or work < SHARED_WORK:
-            with _caller.one():
-                for job in jobs:
-                    job()
-            return
-        _workers(threads - 1).run(jobs, _caller)
-        return
-    _workers(threads).run(jobs, None)
-
-
-def _split(count: int, parts: int) -> list[tuple[int, int]]:
+def _split(count: int, parts: int, step_multiple: int = 1) -> list[tuple[int, int]]:
     step = max(1, math.ceil(count / max(parts, 1)))
+    step = -(-step // step_multiple) * step_multiple
     return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
 
 
-def _tile_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[P, R, k] @ [P, k, n] as P separate `torch.mm` calls of one shape, into a fresh
-    [P, R, n] with aligned rows. Never one batched call: a BLAS's batched entry point may take
-    another kernel for a batch of one than for several, so the batch would matter."""
-    per_row = max(1, ALIGN_BYTES // a.element_size())
-    width = -(-b.shape[2] // per_row) * per_row  # output rows aligned too (`ALIGN_BYTES`)
-    out = torch.empty(a.shape[0], a.shape[1], width, dtype=a.dtype)[..., : b.shape[2]]
-    if b.stride(0) == 0:  # one weight tile shared by every item
+def _aligned_empty(p: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh [p, rows, cols] whose rows start on `ALIGN_BYTES` boundaries."""
+    per_row = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    width = -(-cols // per_row) * per_row
+    return torch.empty(p, rows, width, dtype=dtype)[..., :cols]
+
+
+def _one_by_one(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[p] = a[p] @ b[p] as one `torch.mm` per item (b a shared weight: stride-0 items)."""
+    if b.stride(0) == 0:
         rhs = b[0]
         for lhs, dst in zip(a.unbind(0), out.unbind(0), strict=True):
             torch.mm(lhs, rhs, out=dst)
     else:
         for lhs, rhs, dst in zip(a.unbind(0), b.unbind(0), out.unbind(0), strict=True):
             torch.mm(lhs, rhs, out=dst)
-    return out
+
+
+def _staged(t: torch.Tensor, count: int) -> torch.Tensor:
+    """`t`'s items then zero items, `count` in all, each laid out as in `t` (aligned rows,
+    or aligned columns for a transposed operand)."""
+    if t.stride(0) == 0:
+        return t[:1].expand(count, *t.shape[1:])
+    columns = t.stride(-1) != 1
+    u = t.transpose(1, 2) if columns else t
+    staged = _aligned_empty(count, u.shape[1], u.shape[2], t.dtype)
+    staged[: t.shape[0]] = u
+    staged[t.shape[0] :] = 0
+    return staged.transpose(1, 2) if columns else staged
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[p] = a[p] @ b[p] as `torch.bmm` calls of exactly `BATCH` items."""
+    p = a.shape[0]
+    if p < BATCH:
+        staged = _aligned_empty(BATCH, a.shape[1], b.shape[2], a.dtype)
+        torch.bmm(_staged(a, BATCH), _staged(b, BATCH), out=staged)
+        out.copy_(staged[:p])
+        return
+    for lo in range(0, p, BATCH):
+        lo = min(lo, p - BATCH)  # the last window overlaps the one before: same bits again
+        torch.bmm(a[lo : lo + BATCH], b[lo : lo + BATCH], out=out[lo : lo + BATCH])
 
 
 def _tile_job(
@@ -217,40 +111,80 @@ def _tile_job(
     out: torch.Tensor,
     items: tuple[int, int],
     cols: tuple[int, int],
+    products: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> Callable[[], None]:
-    """The job computing out[items, :, cols] = a[items] @ b[items][:, :, cols], K tile by K tile."""
+    """The job computing out[items, :, cols] = a[items] @ b[items][:, :, cols], K tile by K
+    tile, the partials added in K-tile order. A partial goes straight into the output when
+    its rows are aligned and no wider accumulator is needed; else into an aligned buffer."""
 
     def job() -> None:
-        lo, hi = items
-        c0, c1 = cols
+        (lo, hi), (c0, c1) = items, cols
+        dst = out[lo:hi, :, c0:c1]
         k = a.shape[2]
-        if k == 0:
-            out[lo:hi, :, c0:c1].zero_()
+        lhs, rhs = a[lo:hi], b[lo:hi, :, c0:c1]
+        if 0 < k <= K_TILE and _aligned(dst):  # one K tile, straight into the output
+            products(lhs, rhs, dst)
             return
+        if k == 0:
+            dst.zero_()
+            return
+        wide = torch.promote_types(a.dtype, torch.float32)
+        direct = wide == a.dtype and _aligned(dst)
         acc: torch.Tensor | None = None
         for k0 in range(0, k, K_TILE):
             k1 = min(k0 + K_TILE, k)
-            part = _tile_products(a[lo:hi, :, k0:k1], b[lo:hi, k0:k1, c0:c1])
+            if acc is None and direct:
+                part = dst
+            else:
+                part = _aligned_empty(hi - lo, a.shape[1], c1 - c0, a.dtype)
+            products(lhs[:, :, k0:k1], rhs[:, k0:k1], part)
             if acc is None:
-                acc = part if k1 == k else part.to(torch.promote_types(part.dtype, torch.float32))
+                acc = part if k1 == k else part.to(wide)
             else:
                 acc.add_(part)  # partials in K-tile order
-        out[lo:hi, :, c0:c1].copy_(acc)  # type: ignore[arg-type]
+        if acc is not dst:
+            dst.copy_(acc)  # type: ignore[arg-type]
 
     return job
 
 
-def tile_jobs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
+def shared_weight_job(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """One job for out[t] = a[t] @ b, every row tile t, when K and N are one tile each and
+    `out` [T, R, N] is a fresh buffer with aligned rows: the calls `tile_jobs` would make,
+    without its bookkeeping (a decode step's small products are mostly that). `a` comes
+    from `row_tiles` (aligned rows)."""
+    a, b = a.detach(), b.detach()
+
+    def job() -> None:
+        for lhs, dst in zip(a.unbind(0), out.unbind(0), strict=True):
+            torch.mm(lhs, b, out=dst)
+
+    return job
+
+
+def one_tile(k: int, n: int, element_size: int) -> bool:
+    """K and N each fit one tile, and a fresh [.., N] output has aligned rows."""
+    return 0 < k <= K_TILE and 0 < n <= COL_TILE and (n * element_size) % ALIGN_BYTES == 0
+
+
+def tile_jobs(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, batched: bool = False
+) -> list[Callable[[], None]]:
     """Jobs for out[p] = a[p] @ b[p]; a [P, ROW_TILE or any fixed rows, K], b [P, K, N]
     (a stride-0 expand for a shared weight), out [P, rows, N]. Jobs cover whole tiles:
-    consecutive items of one column tile, about `torch.get_num_threads()` jobs per tile."""
+    consecutive items of one column tile, about `torch.get_num_threads()` jobs per tile.
+    `batched`: each item its own operands, computed `BATCH` at a time."""
     # workers run without the caller's below-autograd state; rows aligned (`ALIGN_BYTES`)
     a, b = aligned_rows(a.detach()), b.detach()
+    if batched:
+        b = aligned_items(b)
     items, n = a.shape[0], b.shape[2]
     col_tiles = [(c, min(c + COL_TILE, n)) for c in range(0, n, COL_TILE)]
     threads = torch.get_num_threads()
     parts = 1 if threads == 1 else max(1, math.ceil(2 * threads / max(1, len(col_tiles))))
-    return [_tile_job(a, b, out, rng, cols) for cols in col_tiles for rng in _split(items, parts)]
+    products = _batched if batched else _one_by_one
+    ranges = _split(items, parts, BATCH if batched else 1)
+    return [_tile_job(a, b, out, rng, cols, products) for cols in col_tiles for rng in ranges]
 
 
 ALIGN_BYTES = 64
@@ -261,12 +195,11 @@ from the same row at position 0."""
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    size = t.element_size()
+    size, strides = t.element_size(), t.stride()
     return (
-        t.stride(-1) == 1
-        and (t.stride(-2) * size) % ALIGN_BYTES == 0
+        strides[-1] == 1
         and t.data_ptr() % ALIGN_BYTES == 0
-        and all((s * size) % ALIGN_BYTES == 0 for s in t.stride()[:-2])
+        and all((s * size) % ALIGN_BYTES == 0 for s in strides[:-1])
     )
 
 
@@ -284,6 +217,23 @@ def pad_rows(a: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
     return padded.view(*a.shape[:-2], tiles, rows, width)[..., :k]
 
 
+def row_tiles(a: torch.Tensor) -> torch.Tensor:
+    """[M, K] -> [tiles, ROW_TILE, K]: a view of `a` itself when its rows are aligned and
+    fill whole tiles (a decode batch of 16), else `pad_rows`' fresh copy."""
+    m = a.shape[0]
+    if m % ROW_TILE == 0 and _aligned(a):
+        return a.unflatten(0, (m // ROW_TILE, ROW_TILE))
+    return pad_rows(a)
+
+
 def aligned_rows(a: torch.Tensor) -> torch.Tensor:
     """`a` itself if its rows are `ALIGN_BYTES`-aligned, else an aligned copy."""
     return a if _aligned(a) else pad_rows(a, a.shape[-2]).squeeze(-3)
+
+
+def aligned_items(b: torch.Tensor) -> torch.Tensor:
+    """`b` [P, K, N] itself if its rows, or for a transposed operand its columns, are
+    `ALIGN_BYTES`-aligned; else an aligned copy laid out the same way."""
+    if b.stride(-1) != 1 and b.stride(-2) == 1:
+        return aligned_rows(b.transpose(-1, -2)).transpose(-1, -2)
+    return aligned_rows(b)
