@@ -1,5 +1,6 @@
-"""The blocked GEMM kernels batch their fixed-shape blocks into few `torch.bmm` calls; each
-block must still be bit for bit the single fixed-shape product (the slow reference here)."""
+"""The CPU GEMMs equal, bit for bit, the tile computation their docstring promises, written
+out here the slow way: one `torch.mm` per (row tile, K tile) on one thread, the row tile
+zero-padded, the K-tile partials added in order."""
 
 from __future__ import annotations
 
@@ -7,27 +8,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.moe_determinism.ops import gemm
+from tandem.moe_determinism import batch_invariant
+from tandem.moe_determinism.ops import gemm, tiles
 
 
-def _block_rows(x: torch.Tensor, lo: int, r: int) -> torch.Tensor:
-    """Rows lo..lo+r as a contiguous block (zero rows appended past the end)."""
-    chunk = x[..., lo : lo + r, :]
-    return F.pad(chunk, (0, 0, 0, r - chunk.shape[-2])).contiguous()
-
-
-def _mm_per_block(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One `torch.mm` per zero-padded block of r rows."""
-    r = gemm.row_block(a.dtype)
-    parts = [torch.mm(_block_rows(a, lo, r), b) for lo in range(0, a.shape[0], r)]
-    return torch.cat(parts)[: a.shape[0]] if parts else a.new_zeros(0, b.shape[1])
-
-
-def _bmm_per_block(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One `torch.bmm` per zero-padded block of r rows of every matrix."""
-    r = gemm.row_block(a.dtype)
-    parts = [torch.bmm(_block_rows(a, lo, r), b) for lo in range(0, a.shape[1], r)]
-    return torch.cat(parts, dim=1)[:, : a.shape[1]]
+def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] @ [K, N] tile by tile, on the calling thread with one torch thread."""
+    r, kt = tiles.ROW_TILE, tiles.K_TILE
+    m, k = a.shape
+    rows = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for lo in range(0, m, r):
+            block = F.pad(a[lo : lo + r], (0, 0, 0, r - a[lo : lo + r].shape[0])).contiguous()
+            cols = []
+            for c0 in range(0, b.shape[1], tiles.COL_TILE):
+                acc = None
+                for k0 in range(0, k, kt):
+                    part = torch.mm(
+                        block[:, k0 : k0 + kt], b[k0 : k0 + kt, c0 : c0 + tiles.COL_TILE]
+                    )
+                    first = part if k0 + kt >= k else part.float()
+                    acc = first if acc is None else acc + part
+                cols.append(acc.to(a.dtype))
+            rows.append(torch.cat(cols, 1))
+    finally:
+        torch.set_num_threads(before)
+    return torch.cat(rows)[:m] if rows else a.new_zeros(0, b.shape[1])
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -35,22 +43,64 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mm_blocks_equal_one_product_per_block(threads: int, dtype: torch.dtype) -> None:
+def test_mm_blocks_equal_the_tile_computation(threads: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(threads)
-    for m, k, n in [(1, 64, 96), (37, 300, 200), (160, 128, 48), (0, 8, 8)]:
+    # one tile, a K tail (K > K_TILE), a column tail (N > COL_TILE), no rows
+    for m, k, n in [(1, 64, 96), (37, 1100, 200), (20, 128, 515), (0, 8, 8)]:
         a = torch.randn(m, k, generator=gen).to(dtype)
         w = torch.randn(n, k, generator=gen).to(dtype)
         # A transposed weight (what F.linear passes) and a transposed activation.
         for lhs, rhs in [(a, w.t()), (a.t().contiguous().t(), w.t().contiguous())]:
-            assert torch.equal(_bits(gemm.mm_blocks(lhs, rhs)), _bits(_mm_per_block(lhs, rhs)))
+            assert torch.equal(_bits(gemm.mm_blocks(lhs, rhs)), _bits(_reference(lhs, rhs)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bmm_blocks_equal_one_product_per_block(threads: int, dtype: torch.dtype) -> None:
+def test_bmm_blocks_equal_the_tile_computation(threads: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(threads)
     # Few matrices of many rows (MoE experts) and many matrices of few rows.
     for g, m, k, n in [(3, 70, 64, 40), (20, 5, 32, 24)]:
         a = torch.randn(g, m, k, generator=gen).to(dtype)
         w = torch.randn(g, n, k, generator=gen).to(dtype)
         ours = gemm.bmm_blocks(a, w.transpose(1, 2))
-        assert torch.equal(_bits(ours), _bits(_bmm_per_block(a, w.transpose(1, 2))))
+        for i in range(g):
+            assert torch.equal(_bits(ours[i]), _bits(_reference(a[i], w[i].t())))
+
+
+def test_workers_leave_the_callers_thread_count_alone(threads: int) -> None:
+    """The single-threaded workers do not change the count of the caller or of threads
+    started later (torch records the last count set for threads it has not seen yet)."""
+    import threading
+
+    gemm.mm(torch.randn(40, 600), torch.randn(600, 700))
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == threads
+    assert seen == [threads]
+
+
+def test_backward_through_the_tile_products(threads: int) -> None:
+    """Gradients flow through every product `batch_invariant()` covers, with products large
+    enough to be shared by the workers and with K over one tile: no tile product ever runs
+    its `out=` kernel on operands that record a graph (which autograd refuses)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 100, 600, generator=gen)
+    w = torch.randn(300, 600, generator=gen)
+    bx = torch.randn(3, 40, 600, generator=gen)
+    bw = torch.randn(3, 600, 90, generator=gen)
+    q = torch.randn(20, 16, 24, generator=gen)
+    kt = torch.randn(20, 24, 33, generator=gen)
+
+    def loss(x, w, bx, bw, q, kt):
+        out = F.linear(x, w).square().mean() + torch.matmul(x, w.t()).mean()
+        out = out + torch.bmm(bx, bw).square().mean() + gemm.fixed_shape_bmm(q, kt).mean()
+        return out + gemm.mm(x[0], w.t()).mean() + gemm.bmm(bx, bw).mean()
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, bx, bw, q, kt)]
+    with batch_invariant():
+        loss(*leaves).backward()
+    stock = [t.clone().requires_grad_() for t in (x, w, bx, bw, q, kt)]
+    loss(*stock).backward()
+    for ours, ref in zip(leaves, stock, strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-4, atol=1e-5)

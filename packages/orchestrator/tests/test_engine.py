@@ -10,6 +10,7 @@ from tandem.delta_sync import LocalStore
 from tandem.moe_determinism import batch_invariant
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.inference.embedded.engine import EngineError
+from tandem.orchestrator.runtime.threads import torch_threads
 from tandem.orchestrator.training.collate import collate
 from tandem.orchestrator.training.scoring import score
 from tandem.orchestrator.training.trainer import RLTrainer
@@ -29,14 +30,24 @@ def _episodes(chat, h):
     ]
 
 
+# torch's default thread count, 1 and 2; the engine runs with one and the trainer with the
+# next (cyclically), so the two sides never share a count: threads are a speed setting only.
+_COUNTS = sorted({1, 2, torch.get_num_threads()})
+THREAD_PAIRS = [(n, _COUNTS[(i + 1) % len(_COUNTS)]) for i, n in enumerate(_COUNTS)]
+
+
+@pytest.mark.parametrize(
+    ("engine_threads", "trainer_threads"), THREAD_PAIRS, ids=[f"{e}-{t}" for e, t in THREAD_PAIRS]
+)
 def test_rollout_logprobs_equal_trainer_bit_for_bit(
-    chat, tiny_policy, make_engine, helpers
+    chat, tiny_policy, make_engine, helpers, engine_threads: int, trainer_threads: int
 ) -> None:
     engine = make_engine(tiny_policy)
-    samples = helpers.drive(engine, chat, _episodes(chat, helpers))
+    with torch_threads(engine_threads):
+        samples = helpers.drive(engine, chat, _episodes(chat, helpers))
     assert all(s.routes.shape[0] == len(s.tokens) - 1 for s in samples)
     batch = collate([samples[:2], samples[2:]])
-    with torch.no_grad(), batch_invariant():
+    with torch.no_grad(), batch_invariant(), torch_threads(trainer_threads):
         replayed, _, _ = score(tiny_policy, batch, "R3")
         free, free_ids, counts = score(tiny_policy, batch, "none")
     mask = batch.loss_mask
@@ -49,13 +60,20 @@ def test_rollout_logprobs_equal_trainer_bit_for_bit(
     assert torch.equal(free_ids.sort(-1).values, recorded.sort(-1).values)  # 100% agreement
 
 
+@pytest.mark.parametrize(
+    ("engine_threads", "trainer_threads"), THREAD_PAIRS, ids=[f"{e}-{t}" for e, t in THREAD_PAIRS]
+)
 def test_trainer_step_reports_zero_mismatch_and_full_agreement(
-    chat, tiny_policy, make_engine, helpers
+    chat, tiny_policy, make_engine, helpers, engine_threads: int, trainer_threads: int
 ) -> None:
     engine = make_engine(tiny_policy)
-    samples = helpers.drive(engine, chat, _episodes(chat, helpers) + _episodes(chat, helpers)[:1])
+    with torch_threads(engine_threads):
+        samples = helpers.drive(
+            engine, chat, _episodes(chat, helpers) + _episodes(chat, helpers)[:1]
+        )
     trainer = RLTrainer(tiny_policy, TrainerConfig(lr=1e-3, routing_check_rows=4))
-    metrics = trainer.step([samples[:2], samples[2:]], 0)
+    with torch_threads(trainer_threads):
+        metrics = trainer.step([samples[:2], samples[2:]], 0)
     assert metrics["step_applied"] == 1.0
     assert metrics["same_version_samples"] == 4
     assert metrics["mismatch_tokens"] > 0

@@ -1,23 +1,20 @@
-"""Batch-invariant matrix multiplication on CPU.
+"""Batch-invariant matrix multiplication.
 
-BLAS libraries pick a kernel (and with it the order in which each output element's
-products are summed) from the problem *shape*: MKL's sgemm gives different bits for row i
-of `A[:m] @ B` and of `A @ B` for small m. For a *fixed* shape the kernel and its order are
-fixed, and a row's result does not depend on the values or position of the other rows.
-So every product here is cut into row blocks of exactly `row_block(dtype)` rows (the last
-block zero-padded) and each block is one fixed-shape GEMM. This is the CPU analogue of
-"one tile configuration per dtype, no split-K" on the GPU.
+On the CPU every product is computed tile by tile by `tiles` (fixed row, column and K
+tiles, single-threaded fixed-shape partial products added in K-tile order, threads sharing
+output tiles only), so a row's bits depend on neither the batch, nor the row's position,
+nor the thread count, nor the BLAS's choices. On CUDA one fixed Triton tile configuration.
 
-The blocks are computed with the `out=` overloads of torch's GEMMs, which are separate
+The tiles are computed with the `out=` overloads of torch's GEMMs, which are separate
 operators from the ones `batch_invariant()` overrides, so there is no recursion.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.ops import tiles, workers
 
 
 def cuda_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -30,16 +27,6 @@ def cuda_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     from tandem.moe_determinism.kernels.dispatch import cuda_bmm as kernel
 
     return kernel(a, b)
-
-
-ROW_BLOCK = {torch.float32: 16, torch.float64: 16, torch.bfloat16: 16, torch.float16: 16}
-"""Rows per fixed-shape GEMM. Small enough that a padded decode batch wastes little (small-M
-GEMM is bound by reading the weight), large enough that training-size products run close to
-BLAS speed."""
-
-
-def row_block(dtype: torch.dtype) -> int:
-    return ROW_BLOCK.get(dtype, 16)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -79,22 +66,30 @@ def _needs_graph(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def fixed_shape_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One `torch.bmm` on operands whose per-matrix shape the caller keeps fixed.
+    """[P, R, K] @ [P, K, N] for operands whose per-matrix shape the caller keeps fixed.
 
-    Uses the `out=` kernel (not overridden by `batch_invariant()`, so no extra padding)
-    and still supports autograd."""
+    On the CPU each matrix is a tile of `tiles` (no extra row padding), computed in batched
+    calls of exactly `tiles.BATCH` items: its bits do not depend on P, on its place among
+    the P, or on the thread count. Supports autograd."""
     if _needs_graph(a, b):
         return _FixedBmm.apply(a, b)
+    return _fixed_bmm(a, b)
+
+
+def _fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    return torch.bmm(a, b, out=out)
+    if a.is_cuda:
+        return torch.bmm(a, b, out=out)
+    jobs = tiles.tile_jobs(a, b, out, batched=True)
+    workers.run_parallel(jobs, a.numel() * b.shape[2])
+    return out
 
 
 class _FixedBmm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(a, b)
-        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-        return torch.bmm(a, b, out=out)
+        return _fixed_bmm(a, b)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
@@ -117,24 +112,21 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def bmm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel of `bmm` (no autograd graph)."""
-    g, m, k = a.shape
+    """The CPU kernel of `bmm` (no autograd graph): row tiles of every matrix, as in `mm`."""
+    g, m, _ = a.shape
     n = b.shape[-1]
-    r = row_block(a.dtype)
-    blocks = -(-m // r) if m else 0
-    padded = F.pad(a, (0, 0, 0, blocks * r - m)) if blocks * r != m else a
-    padded = padded.reshape(g, blocks, r, k)
-    # Same fixed-shape [r, K] @ [K, N] products either way; fewer, larger calls are faster.
-    # Each slab is written contiguously, so every GEMM sees the same strides.
-    if g <= blocks:
-        out = torch.empty(g, blocks, r, n, dtype=a.dtype, device=a.device)
+    padded = tiles.pad_rows(a)  # [G, tiles, R, K]
+    blocks, r = padded.shape[1], padded.shape[2]
+    out = torch.empty(g, blocks, r, n, dtype=a.dtype, device=a.device)
+    jobs = []
+    if g <= blocks:  # few matrices of many rows (MoE experts): per matrix, its row tiles
         for i in range(g):
-            torch.bmm(padded[i], b[i].expand(blocks, k, n), out=out[i])
-        return out.view(g, blocks * r, n)[:, :m]
-    out = torch.empty(blocks, g, r, n, dtype=a.dtype, device=a.device)
-    for i in range(blocks):
-        torch.bmm(padded[:, i], b, out=out[i])
-    return out.permute(1, 0, 2, 3).reshape(g, blocks * r, n)[:, :m]
+            jobs += tiles.tile_jobs(padded[i], b[i].expand(blocks, *b.shape[1:]), out[i])
+    else:  # many matrices of few rows: per row tile, every matrix
+        for i in range(blocks):
+            jobs += tiles.tile_jobs(padded[:, i], b, out[:, i])
+    workers.run_parallel(jobs, padded.numel() * n)
+    return out.view(g, blocks * r, n)[:, :m]
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -150,28 +142,23 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel of `mm` (no autograd graph).
-
-    In fp32/fp64 all row blocks go to one `torch.bmm` against the weight broadcast along the
-    batch (a stride-0 view, never copied): per block the very same [r, K] @ [K, N] product as
-    one `torch.mm` per block, bit for bit, without a Python loop and a thread-pool round per
-    block. Half types keep one `torch.mm` per block (their bmm takes another kernel path).
-    """
+    """The CPU kernel of `mm` (no autograd graph): row tiles against the weight broadcast
+    along the tiles (a stride-0 view, never copied)."""
     m, k = a.shape
     n = b.shape[1]
-    r = row_block(a.dtype)
-    blocks = -(-m // r) if m else 0
-    out = torch.empty(blocks, r, n, dtype=a.dtype, device=a.device)
-    if not blocks:
-        return out.view(0, n)
-    padded = F.pad(a, (0, 0, 0, blocks * r - m)) if blocks * r != m else a
-    padded = padded.reshape(blocks, r, k)
-    if a.dtype in (torch.float32, torch.float64):
-        torch.bmm(padded, b.expand(blocks, k, n), out=out)
+    if m == 0:
+        return a.new_empty(0, n)
+    padded = tiles.row_tiles(a)  # [tiles, R, K]
+    out = torch.empty(padded.shape[0], padded.shape[1], n, dtype=a.dtype, device=a.device)
+    work = padded.numel() * n
+    if tiles.one_tile(k, n, a.element_size()) and (
+        torch.get_num_threads() == 1 or work < workers.SHARED_WORK
+    ):
+        jobs = [tiles.shared_weight_job(padded, b, out)]
     else:
-        for i in range(blocks):
-            torch.mm(padded[i], b, out=out[i])
-    return out.view(blocks * r, n)[:m]
+        jobs = tiles.tile_jobs(padded, b.expand(padded.shape[0], k, n), out)
+    workers.run_parallel(jobs, work)
+    return out.view(out.shape[0] * out.shape[1], n)[:m]
 
 
 def addmm(

@@ -1,0 +1,239 @@
+"""Tile products on the CPU with a reduction order of our own, whatever the BLAS or threads.
+
+A BLAS chooses, from the problem shape and the number of threads, how it cuts a product
+and in which order it adds each output element's terms: MKL gives row i of `A[:m] @ B`
+other bits than row i of `A @ B` for small m, and with 2 threads it may split the reduced
+dimension between them. So no product here is ever handed to the BLAS as it comes:
+
+1. Rows are cut into tiles of exactly `ROW_TILE` rows (the last one zero-padded), columns
+   into tiles of `COL_TILE` and the reduced dimension K into tiles of `K_TILE`; every cut
+   depends on K and N (properties of the weight) and never on M or the thread count.
+2. Each (row tile, column tile, K tile) partial product is one call of one fixed shape and
+   layout, run by a thread whose OpenMP and BLAS thread count is 1. A single-threaded call
+   of a fixed shape runs one fixed instruction sequence, and output element (i, j) of a tile
+   reads only row i of A and column j of B, so a row's partial does not depend on the other
+   rows, on M, or on how many threads there are: the BLAS never sees a shape or a thread
+   count that varies with the batch.
+3. The partials of one output tile are added in K-tile order (0, 1, 2, ...), element-wise:
+   that order is ours, fixed by K alone.
+4. Parallelism is over output tiles only: `torch.get_num_threads()` single-threaded workers
+   share the tiles, each tile wholly computed by one of them, so the thread count changes
+   who computes a tile, never how.
+
+Products against one shared weight (`mm`, `bmm`) are one `torch.mm(..., out=)` call per
+tile. Products whose every item is its own pair of operands (`fixed_shape_bmm`: attention's
+query-block x KV-split pairs, thousands per prefill and a hundred per decode step) run as
+batched calls of exactly `BATCH` items: torch's batched product calls the BLAS's batched
+entry point for several matrices and its plain GEMM for one, whose bits differ (MKL, one
+thread, [16, 1000] @ [1000, 1]), so a batch never has another count. A short batch is
+padded with zero items (copies laid out like the items), a long one is cut into windows of
+`BATCH` (the last overlapping the one before). An item's bits there must not depend on its
+place in the batch nor on the other items: tested for every layout used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+ROW_TILE = 16
+"""Rows per tile. Small enough that a padded decode batch wastes little (small-M products
+are bound by reading the weight), large enough that training-size products run near BLAS
+speed."""
+
+COL_TILE = 512
+"""Output columns per tile: what lets a decode step (one row tile) use several threads."""
+
+K_TILE = 512
+"""Terms per partial product. Partials are added in tile order; K <= K_TILE is one tile."""
+
+
+BATCH = 16
+"""Items per batched call of `fixed_shape_bmm`'s products: one call's overhead is spread
+over 16 small items (about 2.5x fewer microseconds than one call per item)."""
+
+
+def _split(count: int, parts: int, step_multiple: int = 1) -> list[tuple[int, int]]:
+    step = max(1, math.ceil(count / max(parts, 1)))
+    step = -(-step // step_multiple) * step_multiple
+    return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
+
+
+def _aligned_empty(p: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh [p, rows, cols] whose rows start on `ALIGN_BYTES` boundaries."""
+    per_row = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    width = -(-cols // per_row) * per_row
+    return torch.empty(p, rows, width, dtype=dtype)[..., :cols]
+
+
+def _one_by_one(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[p] = a[p] @ b[p] as one `torch.mm` per item (b a shared weight: stride-0 items)."""
+    if b.stride(0) == 0:
+        rhs = b[0]
+        for lhs, dst in zip(a.unbind(0), out.unbind(0), strict=True):
+            torch.mm(lhs, rhs, out=dst)
+    else:
+        for lhs, rhs, dst in zip(a.unbind(0), b.unbind(0), out.unbind(0), strict=True):
+            torch.mm(lhs, rhs, out=dst)
+
+
+def _staged(t: torch.Tensor, count: int) -> torch.Tensor:
+    """`t`'s items then zero items, `count` in all, each laid out as in `t` (aligned rows,
+    or aligned columns for a transposed operand)."""
+    if t.stride(0) == 0:
+        return t[:1].expand(count, *t.shape[1:])
+    columns = t.stride(-1) != 1
+    u = t.transpose(1, 2) if columns else t
+    staged = _aligned_empty(count, u.shape[1], u.shape[2], t.dtype)
+    staged[: t.shape[0]] = u
+    staged[t.shape[0] :] = 0
+    return staged.transpose(1, 2) if columns else staged
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[p] = a[p] @ b[p] as `torch.bmm` calls of exactly `BATCH` items."""
+    p = a.shape[0]
+    if p < BATCH:
+        staged = _aligned_empty(BATCH, a.shape[1], b.shape[2], a.dtype)
+        torch.bmm(_staged(a, BATCH), _staged(b, BATCH), out=staged)
+        out.copy_(staged[:p])
+        return
+    for lo in range(0, p, BATCH):
+        lo = min(lo, p - BATCH)  # the last window overlaps the one before: same bits again
+        torch.bmm(a[lo : lo + BATCH], b[lo : lo + BATCH], out=out[lo : lo + BATCH])
+
+
+def _tile_job(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    items: tuple[int, int],
+    cols: tuple[int, int],
+    products: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> Callable[[], None]:
+    """The job computing out[items, :, cols] = a[items] @ b[items][:, :, cols], K tile by K
+    tile, the partials added in K-tile order. A partial goes straight into the output when
+    its rows are aligned and no wider accumulator is needed; else into an aligned buffer."""
+
+    def job() -> None:
+        (lo, hi), (c0, c1) = items, cols
+        dst = out[lo:hi, :, c0:c1]
+        k = a.shape[2]
+        lhs, rhs = a[lo:hi], b[lo:hi, :, c0:c1]
+        if 0 < k <= K_TILE and _aligned(dst):  # one K tile, straight into the output
+            products(lhs, rhs, dst)
+            return
+        if k == 0:
+            dst.zero_()
+            return
+        wide = torch.promote_types(a.dtype, torch.float32)
+        direct = wide == a.dtype and _aligned(dst)
+        acc: torch.Tensor | None = None
+        for k0 in range(0, k, K_TILE):
+            k1 = min(k0 + K_TILE, k)
+            if acc is None and direct:
+                part = dst
+            else:
+                part = _aligned_empty(hi - lo, a.shape[1], c1 - c0, a.dtype)
+            products(lhs[:, :, k0:k1], rhs[:, k0:k1], part)
+            if acc is None:
+                acc = part if k1 == k else part.to(wide)
+            else:
+                acc.add_(part)  # partials in K-tile order
+        if acc is not dst:
+            dst.copy_(acc)  # type: ignore[arg-type]
+
+    return job
+
+
+def shared_weight_job(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """One job for out[t] = a[t] @ b, every row tile t, when K and N are one tile each and
+    `out` [T, R, N] is a fresh buffer with aligned rows: the calls `tile_jobs` would make,
+    without its bookkeeping (a decode step's small products are mostly that). `a` comes
+    from `row_tiles` (aligned rows)."""
+    a, b = a.detach(), b.detach()
+
+    def job() -> None:
+        for lhs, dst in zip(a.unbind(0), out.unbind(0), strict=True):
+            torch.mm(lhs, b, out=dst)
+
+    return job
+
+
+def one_tile(k: int, n: int, element_size: int) -> bool:
+    """K and N each fit one tile, and a fresh [.., N] output has aligned rows."""
+    return 0 < k <= K_TILE and 0 < n <= COL_TILE and (n * element_size) % ALIGN_BYTES == 0
+
+
+def tile_jobs(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, batched: bool = False
+) -> list[Callable[[], None]]:
+    """Jobs for out[p] = a[p] @ b[p]; a [P, ROW_TILE or any fixed rows, K], b [P, K, N]
+    (a stride-0 expand for a shared weight), out [P, rows, N]. Jobs cover whole tiles:
+    consecutive items of one column tile, about `torch.get_num_threads()` jobs per tile.
+    `batched`: each item its own operands, computed `BATCH` at a time."""
+    # workers run without the caller's below-autograd state; rows aligned (`ALIGN_BYTES`)
+    a, b = aligned_rows(a.detach()), b.detach()
+    if batched:
+        b = aligned_items(b)
+    items, n = a.shape[0], b.shape[2]
+    col_tiles = [(c, min(c + COL_TILE, n)) for c in range(0, n, COL_TILE)]
+    threads = torch.get_num_threads()
+    parts = 1 if threads == 1 else max(1, math.ceil(2 * threads / max(1, len(col_tiles))))
+    products = _batched if batched else _one_by_one
+    ranges = _split(items, parts, BATCH if batched else 1)
+    return [_tile_job(a, b, out, rng, cols, products) for cols in col_tiles for rng in ranges]
+
+
+ALIGN_BYTES = 64
+"""Every row of a tile starts on a 64-byte boundary. Some kernels peel an unaligned head off
+a row before their vector loop, so a row's sum order would follow its address: with MKL,
+fp32, K = 511 and N <= 11, the rows at positions 1-3 of every 4 in a tile come out different
+from the same row at position 0."""
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size, strides = t.element_size(), t.stride()
+    return (
+        strides[-1] == 1
+        and t.data_ptr() % ALIGN_BYTES == 0
+        and all((s * size) % ALIGN_BYTES == 0 for s in strides[:-1])
+    )
+
+
+def pad_rows(a: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
+    """[..., M, K] -> [..., tiles, rows, K], the last tile zero-padded, every row aligned.
+
+    Always a fresh buffer whose rows are `ALIGN_BYTES`-aligned (its row stride K rounded
+    up): every tile has the same layout whatever the caller's strides were."""
+    m, k = a.shape[-2], a.shape[-1]
+    tiles = -(-m // rows)
+    per_row = max(1, ALIGN_BYTES // a.element_size())
+    width = -(-k // per_row) * per_row
+    padded = a.new_zeros(*a.shape[:-2], tiles * rows, width)
+    padded[..., :m, :k] = a
+    return padded.view(*a.shape[:-2], tiles, rows, width)[..., :k]
+
+
+def row_tiles(a: torch.Tensor) -> torch.Tensor:
+    """[M, K] -> [tiles, ROW_TILE, K]: a view of `a` itself when its rows are aligned and
+    fill whole tiles (a decode batch of 16), else `pad_rows`' fresh copy."""
+    m = a.shape[0]
+    if m % ROW_TILE == 0 and _aligned(a):
+        return a.unflatten(0, (m // ROW_TILE, ROW_TILE))
+    return pad_rows(a)
+
+
+def aligned_rows(a: torch.Tensor) -> torch.Tensor:
+    """`a` itself if its rows are `ALIGN_BYTES`-aligned, else an aligned copy."""
+    return a if _aligned(a) else pad_rows(a, a.shape[-2]).squeeze(-3)
+
+
+def aligned_items(b: torch.Tensor) -> torch.Tensor:
+    """`b` [P, K, N] itself if its rows, or for a transposed operand its columns, are
+    `ALIGN_BYTES`-aligned; else an aligned copy laid out the same way."""
+    if b.stride(-1) != 1 and b.stride(-2) == 1:
+        return aligned_rows(b.transpose(-1, -2)).transpose(-1, -2)
+    return aligned_rows(b)

@@ -1,0 +1,158 @@
+"""Single-threaded workers for the CPU tile products: who computes a tile, never how.
+
+Every tile product must run on a thread whose OpenMP and BLAS thread count is 1 (a BLAS
+given two threads may split the reduced dimension between them). `run_parallel` hands
+whole jobs to `torch.get_num_threads()` such threads: the caller, its own counts set to 1
+meanwhile, and a pool of workers started once per thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def _loaded_library(fragment: str) -> ctypes.CDLL | None:
+    """A shared library this process has already loaded (by a fragment of its path)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if fragment in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+class _ThreadLocalCount:
+    """Sets the calling thread's own OpenMP and MKL thread counts, nothing else.
+
+    `torch.set_num_threads` would do it too, but also records the count for threads torch
+    has not seen yet and clears oneDNN's primitive cache: process-wide effects, per call.
+    Available where torch runs on an OpenMP runtime loaded as a shared library (GNU, LLVM or
+    Intel); MKL is optional."""
+
+    def __init__(self) -> None:
+        self.omp = next(filter(None, map(_loaded_library, ("libgomp", "libomp", "libiomp"))), None)
+        torch_cpu = _loaded_library("libtorch_cpu")
+        # MKL's C entry point (the lower-case alias is the Fortran one, taking a pointer)
+        self.mkl = getattr(torch_cpu, "MKL_Set_Num_Threads_Local", None) if torch_cpu else None
+
+    @property
+    def available(self) -> bool:
+        return self.omp is not None
+
+    @contextmanager
+    def one(self) -> Iterator[None]:
+        assert self.omp is not None
+        before = self.omp.omp_get_max_threads()
+        self.omp.omp_set_num_threads(1)
+        mkl_before = self.mkl(1) if self.mkl is not None else 0
+        try:
+            yield
+        finally:
+            if self.mkl is not None:
+                self.mkl(mkl_before)  # 0: back to MKL's process-wide count
+            self.omp.omp_set_num_threads(before)
+
+
+class _Workers:
+    """Threads whose own OpenMP and BLAS thread count is 1, fed through one queue.
+
+    `torch.set_num_threads` sets the calling thread's OpenMP and MKL counts (both are
+    thread-local) and records the count that threads started later take; the creator
+    writes its own count back afterwards, so nothing outside the workers changes."""
+
+    def __init__(self, n: int) -> None:
+        self.tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        before = torch.get_num_threads()
+        ready = threading.Barrier(n + 1)
+        for i in range(n):
+            threading.Thread(
+                target=self._loop, args=(ready,), name=f"tile-worker-{i}", daemon=True
+            ).start()
+        ready.wait()
+        torch.set_num_threads(before)
+
+    def _loop(self, ready: threading.Barrier) -> None:
+        torch.get_num_threads()  # torch's per-thread setup first: it would undo the 1 below
+        torch.set_num_threads(1)
+        ready.wait()
+        while True:
+            self.tasks.get()()
+
+    def run(self, jobs: list[Callable[[], None]], caller: _ThreadLocalCount | None) -> None:
+        """Run the jobs on the workers, and on the caller too when it can be made
+        single-threaded; re-raise the first error once all have finished."""
+        done = threading.Semaphore(0)
+        errors: list[BaseException] = []
+        pending: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+        def take() -> None:  # one job, whichever is next
+            try:
+                pending.get_nowait()()
+            except queue.Empty:
+                return
+            except BaseException as exc:  # handed back to the caller below
+                errors.append(exc)
+            done.release()
+
+        for job in jobs:
+            pending.put(job)
+        for _ in jobs[1:] if caller is not None else jobs:
+            self.tasks.put(take)
+        if caller is not None:
+            with caller.one():
+                while not pending.empty():
+                    take()
+        for _ in jobs:
+            done.acquire()
+        if errors:
+            raise errors[0]
+
+
+_pools: dict[int, _Workers] = {}
+_pools_lock = threading.Lock()
+_caller = _ThreadLocalCount()
+
+
+def _workers(n: int) -> _Workers:
+    with _pools_lock:
+        if n not in _pools:
+            _pools[n] = _Workers(n)
+        return _pools[n]
+
+
+SHARED_WORK = 4_000_000
+"""Multiply-adds below which the caller computes every tile itself: handing a few small
+tiles to a worker costs more than it saves (and only moves who computes them)."""
+
+
+def run_parallel(jobs: list[Callable[[], None]], work: int) -> None:
+    """Run independent jobs (`work` multiply-adds in all), each wholly on one single-threaded
+    thread: the caller (its own OpenMP/MKL count set to 1 meanwhile) and
+    `torch.get_num_threads() - 1` workers.
+
+    With one torch thread the caller is single-threaded already and runs them in turn."""
+    threads = torch.get_num_threads()
+    if threads == 1:  # also inside a worker: jobs never nest across threads
+        for job in jobs:
+            job()
+        return
+    if _caller.available:
+        if len(jobs) == 1 or work < SHARED_WORK:
+            with _caller.one():
+                for job in jobs:
+                    job()
+            return
+        _workers(threads - 1).run(jobs, _caller)
+        return
+    _workers(threads).run(jobs, None)
