@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +31,37 @@ TINY = MoEConfig(
     max_position_embeddings=4096,
 )
 TINY_SEED = 3
+TEMPLATE_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+@pytest.fixture(scope="session")
+def template_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with a tokenizer trained here (byte-level BPE with Qwen3's turn and
+    tool-call tokens) and the Qwen3-style chat template of ``data/`` in its
+    tokenizer_config.json: what a checkpoint brings besides its weights."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
+        '{"name": "read_file", "arguments": {"path": "src/util.py"}}',
+        "Let me read the file first. The tests failed: assert 3 == 4",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=TEMPLATE_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens(TEMPLATE_ADDED)
+    path = tmp_path_factory.mktemp("tok")
+    tok.save(str(path / "tokenizer.json"))
+    template = (Path(__file__).parent / "data" / "qwen3_style_chat_template.jinja").read_text()
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return path
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """A checkpoint's tokenizer and Qwen3-style chat template: token-exact episodes.
 
-The tokenizer is trained here (byte-level BPE with Qwen3's turn and tool-call tokens) and the
-chat template is test data in Qwen3's format. An episode rendered turn by turn, as a rollout
+The tokenizer is trained by the tests (`template_tokenizer_dir`: byte-level BPE with Qwen3's
+turn and tool-call tokens) and the chat template is test data in Qwen3's format. An episode rendered turn by turn, as a rollout
 builds it (prompt, each sampled turn as it was sampled, each tool turn plus the next
 assistant header), must be the ids of the whole conversation rendered at once, and those the
 ids of the template's text tokenized whole (the independent computation).
@@ -9,7 +9,6 @@ ids of the template's text tokenized whole (the independent computation).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,32 +17,11 @@ from tandem.orchestrator.inference.chat_format import ToolCallFormatError
 from tandem.orchestrator.inference.template_chat import TemplateChatFormat, TemplateError
 
 DATA = Path(__file__).parent / "data"
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [
-        "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
-        '{"name": "read_file", "arguments": {"path": "src/util.py"}}',
-        "Let me read the file first. The tests failed: assert 3 == 4",
-    ] * 20
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens(ADDED)
-    path = tmp_path_factory.mktemp("tok")
-    tok.save(str(path / "tokenizer.json"))
-    template = (DATA / "qwen3_style_chat_template.jinja").read_text()
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return path
+def model_dir(template_tokenizer_dir: Path) -> Path:
+    return template_tokenizer_dir
 
 
 def _call(name: str, **arguments: object) -> dict:

@@ -15,7 +15,7 @@ from importlib.resources import files
 
 import structlog
 
-from tandem.app import __version__, commands, workers
+from tandem.app import __version__, commands, export, workers
 from tandem.app.config import dump_config, load_config
 from tandem.app.errors import ConfigError
 from tandem.app.logging import configure_logging
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "rl.ray.address",
             )
     workers.add_parser(sub)
+    export.add_parser(sub)
     return parser
 
 
@@ -114,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "workers":
         return workers.run_workers(args)
+    if args.command == "export":
+        return export.run_export(args)
     cmd = COMMANDS[args.command]
     if getattr(args, "address", None):
         args.overrides += ["rl.backend=ray", f"rl.ray.address={args.address}"]

@@ -5,6 +5,11 @@ log-prob; the trainer scores the same token with the same two functions. Under
 `batch_invariant()` both steps are row-invariant, so the two log-probs are the same bits at
 any temperature (the importance ratio between rollout and trainer is then exactly 1 for
 tokens of the trainer's own version).
+
+A checkpoint's embedding may have more rows than its tokenizer has ids (Qwen3: 151936 rows,
+151669 ids). ``vocab`` keeps only the tokenizer's ids: the rows past it are padding no text
+maps to, so they are neither sampled nor part of the normalisation, for engine and trainer
+alike.
 """
 
 from __future__ import annotations
@@ -13,9 +18,15 @@ import torch
 import torch.nn.functional as F
 
 
-def sampling_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def sampling_logits(
+    logits: torch.Tensor, temperature: float, vocab: int | None = None
+) -> torch.Tensor:
     """fp32 logits of the distribution tokens are sampled from: divided by ``temperature``,
-    except at 0 (greedy) and 1, which leave them as they are."""
+    except at 0 (greedy) and 1, which leave them as they are. With ``vocab`` below the
+    logits' width only the first ``vocab`` ids remain (the ids a tokenizer can decode), so an
+    id at or past it is never sampled and its probability is not counted."""
+    if vocab is not None and vocab < logits.shape[-1]:
+        logits = logits[..., :vocab].contiguous()
     logits = logits.float()
     return logits if temperature in (0.0, 1.0) else logits / temperature
 

@@ -5,6 +5,10 @@ Hugging Face directory at ``model.path``. Either way it is saved as a Hugging Fa
 directory that transformers and vLLM load unchanged: config.json, safetensors (sharded above
 `MAX_SHARD_BYTES`), the tokenizer and generation files of the checkpoint it came from, and
 ``tandem.json`` (which tokenizer it was trained with, and the stage's notes).
+
+A policy whose checkpoint brought its own tokenizer speaks that tokenizer (`chat_format_for`);
+its embedding may have more rows than the tokenizer has ids (a padded vocabulary), which
+are never sampled nor scored. A policy of the byte tokenizer has exactly its 266 ids.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 
 from tandem.moe_determinism import MoEConfig, MoETransformer, load_hf, save_hf
 from tandem.orchestrator.config import ConfigValueError
+from tandem.orchestrator.inference.formats import has_own_tokenizer
+from tandem.orchestrator.inference.template_chat import HFTokenizer
 from tandem.orchestrator.inference.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
 MAX_SHARD_BYTES = 5 * 2**30
@@ -39,16 +45,24 @@ class PolicyError(RuntimeError):
     """A policy directory is missing or was made for another tokenizer."""
 
 
-def _check_vocab(config: MoEConfig, tokenizer: ByteTokenizer) -> None:
-    # exactly the tokenizer's ids: the engine samples from every row of the embedding, and
-    # an id past the tokenizer's (a checkpoint's padded vocabulary) could not be decoded
+def _check_vocab(config: MoEConfig, tokenizer: ByteTokenizer | HFTokenizer) -> None:
+    # a checkpoint's own tokenizer: the embedding holds every id it has, and the rows past
+    # them (a padded vocabulary) are masked out of sampling and scoring
+    if isinstance(tokenizer, HFTokenizer):
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ConfigValueError(
+                f"model.path: the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's "
+                f"embedding only {config.vocab_size} rows"
+            )
+        return
+    # the byte tokenizer: exactly its ids, every row of the embedding is sampled
     if config.vocab_size == tokenizer.vocab_size:
         return
     if config.path:
         raise ConfigValueError(
             f"model.path: the checkpoint's vocabulary has {config.vocab_size} ids and the "
-            f"tokenizer {tokenizer.vocab_size}; the engine samples every id of the vocabulary, "
-            "so they must be equal"
+            f"tokenizer {tokenizer.vocab_size} (the built-in byte tokenizer: the directory has "
+            "no tokenizer.json); put the checkpoint's tokenizer.json and chat template there"
         )
     raise ConfigValueError(
         f"model.vocab_size: {config.vocab_size}, but the tokenizer has "
@@ -56,10 +70,12 @@ def _check_vocab(config: MoEConfig, tokenizer: ByteTokenizer) -> None:
     )
 
 
-def build_model(config: MoEConfig, tokenizer: ByteTokenizer, *, seed: int = 0) -> MoETransformer:
+def build_model(
+    config: MoEConfig, tokenizer: ByteTokenizer | HFTokenizer, *, seed: int = 0
+) -> MoETransformer:
     """The policy mid-training starts from: the checkpoint at ``config.path`` (fp32), or a
     freshly initialised reference model shaped by ``config`` (weights from ``seed``); its
-    vocabulary must be the tokenizer's."""
+    vocabulary must hold the tokenizer's."""
     _check_vocab(config, tokenizer)
     if config.path:
         model = load_hf(config.path, dtype=torch.float32, config=config)
@@ -82,9 +98,11 @@ def save_policy(model: MoETransformer, directory: str | Path, **info: object) ->
     """HF layout (config.json + safetensors) plus the tokenizer files of the checkpoint the
     model came from (``model.config.path``) and ``tandem.json``."""
     path = save_hf(model, directory, max_shard_bytes=MAX_SHARD_BYTES)
+    own = has_own_tokenizer(model.config.path)
     if model.config.path:
         _copy_companions(Path(model.config.path), path)
-    meta = {"tokenizer": "bytes", "special_tokens": list(SPECIAL_TOKENS), **info}
+    tokenizer = {"tokenizer": "tokenizer.json"} if own else _byte_tokenizer_meta()
+    meta = {**tokenizer, **info}
     (path / "tandem.json").write_text(json.dumps(meta, indent=2))
     return path
 
@@ -96,7 +114,11 @@ def load_policy(directory: str | Path) -> MoETransformer:
     meta_file = path / "tandem.json"
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
-        if meta.get("special_tokens") != list(SPECIAL_TOKENS):
+        if meta.get("tokenizer") == "tokenizer.json" and not has_own_tokenizer(path):
+            raise PolicyError(f"{path} was saved with its own tokenizer, but has no tokenizer.json")
+        if meta.get("tokenizer", "bytes") == "bytes" and meta.get("special_tokens") != list(
+            SPECIAL_TOKENS
+        ):
             raise PolicyError(
                 f"{path} was saved with other special tokens: {meta.get('special_tokens')}"
             )
@@ -108,6 +130,11 @@ def load_policy(directory: str | Path) -> MoETransformer:
     model = load_hf(path, dtype=torch.float32)
     model.config.path = str(path)  # where its tokenizer files are, for the next save
     return model
+
+
+def _byte_tokenizer_meta() -> dict[str, object]:
+    """``tandem.json``'s tokenizer fields for a policy of the byte tokenizer."""
+    return {"tokenizer": "bytes", "special_tokens": list(SPECIAL_TOKENS)}
 
 
 def clone_model(model: MoETransformer) -> MoETransformer:

@@ -24,9 +24,9 @@ from tandem.orchestrator.backends import build_backend
 from tandem.orchestrator.config import ConfigValueError, RunConfig
 from tandem.orchestrator.eval.evaluate import evaluate
 from tandem.orchestrator.eval.passk import EvalResult
-from tandem.orchestrator.inference.chat_format import ChatFormat
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
 from tandem.orchestrator.inference.embedded.server import EngineServer
+from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.midtrain.corpus import code_windows
 from tandem.orchestrator.midtrain.trainer import Midtrainer, eval_loss
 from tandem.orchestrator.midtrain.transcripts import oracle_transcripts
@@ -53,16 +53,15 @@ def midtrain_policy(
     run_dir = run_dir or config.run_dir
     mid, env, seed = config.midtrain, config.env, config.run.seed
     max_obs = config.episode.max_observation_chars
-    chat = ChatFormat()
+    chat = chat_format_for(config.model.path)
     tok = chat.tok
     model = build_model(config.model, tok, seed=mid.init_seed)
     t0 = time.perf_counter()
+    windows = functools.partial(code_windows, tok, window=mid.window, seed=seed, eos_id=chat.eos_id)
     code = []
     if mid.transcript_fraction < 1:
-        code = list(code_windows(tok, window=mid.window, seed=seed, max_bytes=mid.code_bytes))
-    held_code = list(
-        code_windows(tok, window=mid.window, seed=seed, max_bytes=64 * mid.window, split="held_out")
-    )[:16]
+        code = list(windows(max_bytes=mid.code_bytes))
+    held_code = list(windows(max_bytes=64 * mid.window, split="held_out"))[:16]
     train_tasks = TaskSource(config.tasks, config.tasks.train_seed).take(0, mid.transcripts)
     # The oracle needs its whole script (more calls than the policy's turn budget may allow).
     oracle_env = msgspec.structs.replace(env, max_turns=max(env.max_turns, 12))
@@ -100,7 +99,7 @@ def midtrain_policy(
         transcript_tokens=sum(len(i) for i, _ in transcripts),
         seconds=round(prep_s, 1),
     )
-    pad = tok.special("<|pad|>")
+    pad = chat.pad_id
     trainer = Midtrainer(model, mid, code=code, transcripts=transcripts, pad_id=pad, seed=seed)
     with MetricsLog(run_dir / "midtrain_metrics.jsonl") as metrics:
         info = trainer.run(metrics, progress=progress, deadline=deadline)
@@ -128,9 +127,11 @@ def evaluate_policy(
     n_tasks = n_tasks or config.eval.tasks
     samples = samples or config.eval.samples
     engine_cfg = config.engine
-    chat = ChatFormat()
+    chat = chat_format_for(model.config.path)
     held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(0, n_tasks)
-    engine = InferenceEngine(clone_model(model), engine_cfg, stop_id=chat.end_id)
+    engine = InferenceEngine(
+        clone_model(model), engine_cfg, stop_id=chat.end_id, vocab=chat.tok.vocab_size
+    )
 
     async def go() -> EvalResult:
         server = EngineServer(engine)

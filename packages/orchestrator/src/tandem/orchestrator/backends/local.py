@@ -16,8 +16,8 @@ from pathlib import Path
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.artifacts.checkpoint import load_weights, optimizer_state
 from tandem.orchestrator.config import RunConfig
-from tandem.orchestrator.inference.chat_format import ChatFormat
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.protocols import BackendStart
 from tandem.orchestrator.rollout.local import LocalRollouts
@@ -54,11 +54,13 @@ def build(
     scope = contextlib.ExitStack()
     scope.enter_context(batch_invariant(config.engine.deterministic))
     engine_cfg = config.engine
+    chat = chat_format_for(policy.config.path)
     trainer = RLTrainer(
         policy,
         config.trainer,
         deterministic=engine_cfg.deterministic,
         temperature=engine_cfg.temperature,
+        vocab=chat.tok.vocab_size,
     )
     if start.resume is not None:
         load_weights(policy, start.resume)
@@ -70,13 +72,18 @@ def build(
     )
     sink.publish(start.version)
     engine = InferenceEngine(
-        clone_model(policy), engine_cfg, stop_id=ChatFormat().end_id, version=start.version
+        clone_model(policy),
+        engine_cfg,
+        stop_id=chat.end_id,
+        version=start.version,
+        vocab=chat.tok.vocab_size,
     )
     engine.on_apply = start.on_engine_update
     rollouts = LocalRollouts(
         engine,
         sink.subscriber(start.version),
         tasks,
+        chat=chat,
         env=config.env,
         episode=config.episode,
         engine_cfg=engine_cfg,

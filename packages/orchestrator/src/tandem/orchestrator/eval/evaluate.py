@@ -13,7 +13,7 @@ import structlog
 
 from tandem.agent_env import EnvConfig, Task
 from tandem.orchestrator.eval.passk import EvalResult, summarize
-from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.protocols import Engine
 from tandem.orchestrator.rollout.episode import episode_generator, run_token_episode
 from tandem.orchestrator.rollout.tasks import task_category
@@ -24,7 +24,7 @@ log = structlog.get_logger()
 
 async def evaluate(
     engine: Engine,
-    chat: ChatFormat,
+    chat: AnyChatFormat,
     tasks: Sequence[Task],
     env_config: EnvConfig,
     *,

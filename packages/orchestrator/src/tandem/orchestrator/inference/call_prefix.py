@@ -15,10 +15,11 @@ through is still judged by the parser and the environment.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.inference.template_chat import TemplateChatFormat
 
 _WS = frozenset(b" \t\n\r")
 _NUMBER_CHARS = frozenset(b"0123456789+-.eE")
@@ -92,6 +93,16 @@ class CallPrefix:
                 return False
             return self.json.push(token)
         return False  # "closed": only <|end|> may follow
+
+
+def prefix_check(
+    chat: ChatFormat | TemplateChatFormat, tools: Mapping[str, Collection[str]]
+) -> Callable[[int], bool] | None:
+    """A turn's `CallPrefix` check in the byte format (whose ids are bytes, read one by one);
+    None for a checkpoint's own format, whose turns only the parser judges."""
+    if not isinstance(chat, ChatFormat):
+        return None
+    return CallPrefix(chat, tools).push
 
 
 class _JsonPrefix:

@@ -64,6 +64,8 @@ class ChatFormat:
         self.call_open = self.tok.special("<|tool_call|>")
         self.call_close = self.tok.special("<|/tool_call|>")
         self.role_ids = {role: self.tok.special(f"<|{role}|>") for role in ROLES}
+        self.eos_id = self.tok.special("<|eos|>")  # between mid-training documents
+        self.pad_id = self.tok.special("<|pad|>")
 
     def header(self, role: str) -> list[int]:
         """The token that opens a turn of ``role`` (the generation prompt for "assistant")."""

@@ -18,6 +18,7 @@ of its rendering of the conversation plus one message cannot be cut this way and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -73,7 +74,9 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.inner.get_vocab_size(with_added_tokens=True)
+        """One past the highest id (ids a checkpoint's padded embedding has beyond it are
+        never sampled)."""
+        return max(self.inner.get_vocab(with_added_tokens=True).values()) + 1
 
     def special(self, name: str) -> int:
         token_id = self.inner.token_to_id(name)
@@ -119,8 +122,6 @@ def _template_source(path: Path) -> str:
 class TemplateChatFormat:
     """Renders OpenAI-style messages with a checkpoint's chat template, to exact token ids."""
 
-    VERSION = 1
-
     def __init__(self, directory: str | Path) -> None:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -153,6 +154,16 @@ class TemplateChatFormat:
         self.end_id = self.tok.special(end)
         self.call_open = self.tok.inner.token_to_id("<tool_call>")
         self.call_close = self.tok.inner.token_to_id("</tool_call>")
+        # between mid-training documents and as padding: the tokenizer's end-of-text token
+        # (Qwen3's ``<|endoftext|>``), or the end-of-turn token where it has none
+        text_end = self.tok.inner.token_to_id("<|endoftext|>")
+        self.eos_id = self.end_id if text_end is None else text_end
+        self.pad_id = self.eos_id
+        # renderings cached under this key are rebuilt when the tokenizer or template change
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update((path / "tokenizer.json").read_bytes())
+        digest.update(_template_source(path).encode())
+        self.VERSION = f"template-{digest.hexdigest()}"
 
     def _added_tokens(self) -> list[str]:
         names = [t.content for t in self.tok.inner.get_added_tokens_decoder().values()]

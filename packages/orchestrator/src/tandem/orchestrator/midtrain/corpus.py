@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.orchestrator.inference.template_chat import HFTokenizer
 from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -89,7 +90,7 @@ def pack_windows(
 
 
 def code_windows(
-    tokenizer: ByteTokenizer,
+    tokenizer: ByteTokenizer | HFTokenizer,
     *,
     window: int,
     seed: int,
@@ -97,8 +98,10 @@ def code_windows(
     held_out_fraction: float = 0.05,
     split: str = "train",
     root: Path | None = None,
+    eos_id: int | None = None,
 ) -> Iterator[np.ndarray]:
-    """Packed token windows of real Python source for ``split`` ("train" or "held_out")."""
+    """Packed token windows of real Python source for ``split`` ("train" or "held_out"),
+    documents separated by ``eos_id`` (default: the byte tokenizer's ``<|eos|>``)."""
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', not {split!r}")
     root = root or stdlib_root()
@@ -107,4 +110,5 @@ def code_windows(
         p for p in find_python_files(root) if is_held_out(p, root, held_out_fraction) == want_held
     ]
     docs = (tokenizer.encode(t) for t in read_documents(files, seed=seed, max_bytes=max_bytes))
-    return pack_windows(docs, window=window, eos_id=tokenizer.special("<|eos|>"))
+    eos = tokenizer.special("<|eos|>") if eos_id is None else eos_id
+    return pack_windows(docs, window=window, eos_id=eos)

@@ -1,8 +1,8 @@
 """One agent episode driven by the engine: token-in/token-out, every turn in one KV slot.
 
 The episode's token stream is built once and only appended to: the prompt (system + task)
-rendered by `ChatFormat`, then per turn the exact tokens the engine sampled, then the tool
-observation and the next assistant header. History is never re-rendered, so what the trainer
+rendered by the policy's chat format, then per turn the exact tokens the engine sampled, then
+the tool observation and the next assistant header. History is never re-rendered, so what the trainer
 sees is exactly what the engine saw and produced (re-rendering chat templates is how
 multi-turn RL silently goes off-policy).
 
@@ -23,8 +23,9 @@ import torch
 
 from tandem.agent_env import Env, EnvConfig, Task
 from tandem.agent_env import ToolCall as EnvToolCall
-from tandem.orchestrator.inference.call_prefix import CallPrefix, tool_arguments
-from tandem.orchestrator.inference.chat_format import ChatFormat, ToolCallFormatError
+from tandem.orchestrator.inference.call_prefix import prefix_check, tool_arguments
+from tandem.orchestrator.inference.chat_format import ToolCallFormatError
+from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.protocols import Engine
 from tandem.orchestrator.wire import Sample
 
@@ -40,7 +41,7 @@ def truncate_observation(text: str, max_chars: int) -> str:
     return f"{head}\n[... {len(text) - keep} characters cut ...]\n{tail}"
 
 
-def render_observation(chat: ChatFormat, content: str, max_chars: int) -> list[int]:
+def render_observation(chat: AnyChatFormat, content: str, max_chars: int) -> list[int]:
     """A tool turn followed by the assistant header (the next generation prompt)."""
     ids, _ = chat.render_turn({"role": "tool", "content": truncate_observation(content, max_chars)})
     return ids + chat.header("assistant")
@@ -54,7 +55,7 @@ def episode_generator(seed: int, *keys: int) -> torch.Generator:
     return torch.Generator().manual_seed(mixed)
 
 
-def to_env_call(chat: ChatFormat, turn: list[int]) -> tuple[EnvToolCall, str | None]:
+def to_env_call(chat: AnyChatFormat, turn: list[int]) -> tuple[EnvToolCall, str | None]:
     """The agent-env call for a generated turn, or a placeholder and the format error."""
     try:
         parsed = chat.parse_assistant(turn)
@@ -74,7 +75,7 @@ def to_env_call(chat: ChatFormat, turn: list[int]) -> tuple[EnvToolCall, str | N
 
 async def run_token_episode(
     engine: Engine,
-    chat: ChatFormat,
+    chat: AnyChatFormat,
     task: Task,
     env_config: EnvConfig,
     *,
@@ -91,7 +92,8 @@ async def run_token_episode(
     whose sandbox runs elsewhere).
 
     With ``stop_malformed``, each turn ends at its first token that rules out a well-formed
-    call (`CallPrefix`); the turn then fails to parse as it would have at the token budget.
+    call (`CallPrefix`, in the byte format); the turn then fails to parse as it would have at
+    the token budget.
     """
     t0 = time.monotonic()
     env = open_env(task, env_config)
@@ -108,7 +110,7 @@ async def run_token_episode(
         format_errors = 0
         termination = ""
         while True:
-            check = CallPrefix(chat, tools).push if tools is not None else None
+            check = prefix_check(chat, tools) if tools is not None else None
             out = await engine.generate(slot, feed, generator, max_new_tokens, check)
             routes.append(out.routes)
             lo, hi = min(lo, out.min_version), max(hi, out.max_version)

@@ -8,7 +8,7 @@ from typing import Any
 
 from tandem.agent_env import Env, EnvConfig, SandboxError, Task
 from tandem.orchestrator.config import EngineConfig, EpisodeConfig
-from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.protocols import Engine
 from tandem.orchestrator.rollout.episode import episode_generator, run_token_episode
 from tandem.orchestrator.wire import PlayedGroup, Sample
@@ -16,7 +16,7 @@ from tandem.orchestrator.wire import PlayedGroup, Sample
 
 async def play_group(
     engine: Engine,
-    chat: ChatFormat,
+    chat: AnyChatFormat,
     task: Task,
     *,
     env: EnvConfig,

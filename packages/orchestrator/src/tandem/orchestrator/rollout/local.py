@@ -20,9 +20,9 @@ import structlog
 from tandem.agent_env import Env, EnvConfig, Task
 from tandem.delta_sync import StoreError, Subscriber, warm_up
 from tandem.orchestrator.config import EngineConfig, EpisodeConfig
-from tandem.orchestrator.inference.chat_format import ChatFormat
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
 from tandem.orchestrator.inference.embedded.server import EngineServer
+from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.rollout.group import play_group
 from tandem.orchestrator.rollout.tasks import TaskSource
 from tandem.orchestrator.runtime.backoff import RETRY_S, next_delay
@@ -38,6 +38,8 @@ class LocalRollouts:
     ``poll_s``: also look for a new version this often without being told (an engine that
     may miss a notification, e.g. one that joined late or runs far from the trainer).
     ``open_env``: makes each episode's environment (default: a sandbox in this process).
+    ``chat``: the policy's chat format (`chat_format_for` its path); its end-of-turn id is
+    the engine's stop id.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class LocalRollouts:
         subscriber: Subscriber,
         tasks: TaskSource,
         *,
+        chat: AnyChatFormat,
         env: EnvConfig,
         episode: EpisodeConfig,
         engine_cfg: EngineConfig,
@@ -62,7 +65,7 @@ class LocalRollouts:
         self.env, self.episode, self.engine_cfg = env, episode, engine_cfg
         self.seed, self.group_size = seed, group_size
         self.poll_s = poll_s
-        self.chat = ChatFormat()
+        self.chat = chat
         self.pull_failures = 0
         self._published = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []

@@ -57,6 +57,7 @@ def routing_check(
     same: torch.Tensor,
     n_check: int,
     temperature: float,
+    vocab: int | None = None,
 ) -> dict[str, Any]:
     """``n_check`` rows (same-version first) re-scored with and without replay, no gradient:
     how often the trainer routing freely picks the engine's experts."""
@@ -65,8 +66,8 @@ def routing_check(
         order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
         sub = batch.select(order)
         with torch.no_grad():
-            lp_free, ids_free, counts = score(model, sub, "none", temperature)
-            _, ids_replay, _ = score(model, sub, "R3", temperature)
+            lp_free, ids_free, counts = score(model, sub, "none", temperature, vocab)
+            _, ids_replay, _ = score(model, sub, "R3", temperature, vocab)
         recorded = torch.cat([sub.extras["routes"][i, :n].long() for i, n in enumerate(counts)])
         free = routing_agreement(ids_free, recorded)
         replayed = routing_agreement(ids_replay, recorded)

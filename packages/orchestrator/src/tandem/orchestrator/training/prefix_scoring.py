@@ -118,6 +118,7 @@ def score_shared(
     replay: str,
     temperature: float = 1.0,
     layout: SharedLayout | None = None,
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, T] of ``batch`` (position 0 and padding 0), as `trainer.score` gives
     them on every real token, with each group's common prefix computed once (``layout``:
@@ -137,6 +138,6 @@ def score_shared(
             own = model(layout.tokens, **kwargs)
         routing = RouterReplay(own.traces(), "R2")
     out = model(layout.tokens, routing=routing, **kwargs)
-    flat = target_logprobs(sampling_logits(out.logits, temperature), layout.targets)
+    flat = target_logprobs(sampling_logits(out.logits, temperature, vocab), layout.targets)
     lp = torch.cat([flat, flat.new_zeros(1)])[layout.index]
     return F.pad(lp, (1, 0))

@@ -38,12 +38,14 @@ def score(
     batch: RolloutBatch,
     replay: str,
     temperature: float = 1.0,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Log-probs [B, T] of ``batch`` (position 0 is 0) and the routes [N, layers, k] used.
 
     Only tokens 0..n-2 of a row are fed: the last token predicts nothing, and the engine
     never fed it either (so it has no recorded route). Log-probs are those of the sampling
-    distribution at the engine's ``temperature`` (`sampling_logits`, as the engine samples).
+    distribution at the engine's ``temperature`` over the tokenizer's ``vocab`` ids
+    (`sampling_logits`, as the engine samples).
     """
     ids = batch.input_ids
     assert batch.attention_mask is not None
@@ -58,7 +60,7 @@ def score(
             own = model(inputs, fed)
         routing = RouterReplay(own.traces(), "R2")
     out = model(inputs, fed, routing=routing)
-    logits = sampling_logits(out.logits, temperature)
+    logits = sampling_logits(out.logits, temperature, vocab)
     lp = target_logprobs(logits, ids[:, 1:]) if ids.shape[1] > 1 else logits[..., 0]
     lp = F.pad(lp, (1, 0)) if ids.shape[1] > 1 else torch.zeros_like(ids, dtype=torch.float32)
     return lp, out.route_ids, out.counts
@@ -78,9 +80,16 @@ class ReplayScorer:
     """The GRPO forward hook: scores each micro-batch under the run's replay mode, and keeps
     what it computed for the mismatch check and the metrics."""
 
-    def __init__(self, replay: str, temperature: float, share_prefixes: bool = True) -> None:
+    def __init__(
+        self,
+        replay: str,
+        temperature: float,
+        share_prefixes: bool = True,
+        vocab: int | None = None,
+    ) -> None:
         self.replay = replay
         self.temperature = temperature
+        self.vocab = vocab  # the tokenizer's ids (a padded embedding's rows past it are not)
         self.share_prefixes = share_prefixes
         self.captured: list[ScoredPass] = []
 
@@ -90,9 +99,9 @@ class ReplayScorer:
         """Log-probs [B, T] of ``micro`` under ``model``, the tokens fed, the tokens shared."""
         if self.share_prefixes:
             layout = SharedLayout(micro, match_routes=self.replay == "R3")
-            lp = score_shared(model, micro, self.replay, self.temperature, layout)  # type: ignore[arg-type]
+            lp = score_shared(model, micro, self.replay, self.temperature, layout, self.vocab)  # type: ignore[arg-type]
             return lp, len(layout.tokens), layout.shared_tokens
-        lp, _, counts = score(model, micro, self.replay, self.temperature)  # type: ignore[arg-type]
+        lp, _, counts = score(model, micro, self.replay, self.temperature, self.vocab)  # type: ignore[arg-type]
         return lp, sum(counts), 0
 
     def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:

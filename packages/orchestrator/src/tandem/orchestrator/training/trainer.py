@@ -45,7 +45,8 @@ class RLTrainer:
     builds its trainer before it loads the checkpoint). Each step scores the batch with it,
     under the same replay as the update, for GRPO's KL penalty, which keeps RL from drifting
     far from what mid-training taught. The reference costs one more no-grad forward per step
-    and one more copy of the weights per rank.
+    and one more copy of the weights per rank. ``vocab``: the tokenizer's ids; rows of a
+    padded embedding past them are not scored, as the engine never samples them.
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class RLTrainer:
         *,
         deterministic: bool = True,
         temperature: float = 1.0,
+        vocab: int | None = None,
         rank: int = 0,
         world: int = 1,
         reference: dict[str, torch.Tensor] | None = None,
@@ -66,7 +68,7 @@ class RLTrainer:
         self.model = model
         # copied before sharding: every rank scores its share of the batch with whole weights
         self.reference = frozen_copy(model, reference) if config.loss.kl_coef > 0 else None
-        self.hook = ReplayScorer(config.replay, temperature, config.share_prefixes)
+        self.hook = ReplayScorer(config.replay, temperature, config.share_prefixes, vocab)
         self.rank, self.world = rank, world
         self.fsdp = config.parallel == "fsdp"
         # experts that none of a rank's tokens reach get no gradient on that rank
@@ -101,7 +103,12 @@ class RLTrainer:
                 batch.ref_logprobs = self._reference_logprobs(batch)
             # before the update: the weights the rollouts' version had
             checks = routing_check(
-                self.model, batch, same, self.config.routing_check_rows, self.hook.temperature
+                self.model,
+                batch,
+                same,
+                self.config.routing_check_rows,
+                self.hook.temperature,
+                self.hook.vocab,
             )
             # one process stands in for `processes` ranks: the same sum, the same bits
             shards = self.config.processes if self.world == 1 else 1

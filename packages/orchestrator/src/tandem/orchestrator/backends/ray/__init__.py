@@ -19,6 +19,7 @@ from tandem.orchestrator.backends.ray.rollouts import RayRollouts
 from tandem.orchestrator.backends.ray.trainer import RaySink, RayTrainer, TrainerSpec
 from tandem.orchestrator.backends.ray.worker import WorkerSpec
 from tandem.orchestrator.config import ConfigValueError, RunConfig
+from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.protocols import BackendStart
 from tandem.orchestrator.rollout.tasks import TaskSource
 from tandem.orchestrator.training.weights import state_for_sync, stream_url
@@ -76,6 +77,7 @@ def build(
         trainer=config.trainer,
         deterministic=engine.deterministic,
         temperature=engine.temperature,
+        vocab=chat_format_for(policy.config.path).tok.vocab_size,
         store_url=stream_url(rl.weights_store, run_dir, start.stream),
         anchor_every=rl.anchor_every,
         torch_threads=rl.ray.torch_threads,

@@ -49,6 +49,7 @@ class TrainerSpec(msgspec.Struct, kw_only=True):
     trainer: TrainerConfig
     deterministic: bool
     temperature: float
+    vocab: int | None = None  # the tokenizer's ids (rows past them are never scored)
     store_url: str
     anchor_every: int
     torch_threads: int
@@ -110,6 +111,7 @@ class TrainerRank:
             spec.trainer,
             deterministic=spec.deterministic,
             temperature=spec.temperature,
+            vocab=spec.vocab,
             rank=self.rank,
             world=self.world,
             reference=reference,

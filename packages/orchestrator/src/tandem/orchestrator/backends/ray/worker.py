@@ -22,8 +22,8 @@ from tandem.agent_env import EnvConfig
 from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
 from tandem.orchestrator.backends.ray.envs import EnvPools
 from tandem.orchestrator.config import EngineConfig, EpisodeConfig, TaskConfig
-from tandem.orchestrator.inference.chat_format import ChatFormat
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.rollout.local import LocalRollouts
 from tandem.orchestrator.wire import RolloutStats, encode
 
@@ -31,7 +31,9 @@ log = structlog.get_logger()
 
 
 class WorkerSpec(msgspec.Struct, kw_only=True):
-    """Everything a rollout actor needs to build its engine and play groups."""
+    """Everything a rollout actor needs to build its engine and play groups. ``model.path``:
+    the policy's directory, whose tokenizer and chat template (if it has them) the actor
+    loads in its own process (`chat_format_for`), so it must be readable there."""
 
     model: MoEConfig
     engine: EngineConfig
@@ -80,7 +82,10 @@ class RolloutWorker:
         spec = self.spec
         self._scope.enter_context(batch_invariant(spec.engine.deterministic))
         model = MoETransformer(spec.model)
-        engine = InferenceEngine(model, spec.engine, stop_id=ChatFormat().end_id, version=-1)
+        chat = chat_format_for(spec.model.path)
+        engine = InferenceEngine(
+            model, spec.engine, stop_id=chat.end_id, version=-1, vocab=chat.tok.vocab_size
+        )
         subscriber = Subscriber(open_store(spec.store_url))
         prepared = await asyncio.to_thread(subscriber.prepare, version)
         engine.stage_update(prepared)
@@ -89,6 +94,7 @@ class RolloutWorker:
             engine,
             subscriber,
             TaskSource(spec.tasks, spec.task_seed, offset=spec.task_offset),
+            chat=chat,
             env=spec.env,
             episode=spec.episode,
             engine_cfg=spec.engine,

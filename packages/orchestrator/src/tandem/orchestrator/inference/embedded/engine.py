@@ -88,7 +88,13 @@ class InferenceEngine:
     """Batched generation over a fixed number of KV-cache slots (not thread-safe for `step`)."""
 
     def __init__(
-        self, model: MoETransformer, config: EngineConfig, *, stop_id: int, version: int = 0
+        self,
+        model: MoETransformer,
+        config: EngineConfig,
+        *,
+        stop_id: int,
+        version: int = 0,
+        vocab: int | None = None,
     ) -> None:
         self.model = model.eval()
         for p in self.model.parameters():
@@ -96,6 +102,7 @@ class InferenceEngine:
         self.config = config
         self.stop_id = stop_id
         self.version = version
+        self.vocab = vocab  # ids past it (a padded embedding's) are never sampled
         self.cache = model.new_cache(config.max_slots, config.max_len)
         # inputs go to the weights' device; what comes back (tokens, log-probs, routes) and the
         # episodes' generators stay on the host, so a seed samples the same on CPU and GPU
@@ -330,7 +337,7 @@ class InferenceEngine:
 
     def _sample(self, logits: torch.Tensor, active: list[_Active]) -> tuple[list[int], list[float]]:
         temperature = self.config.temperature
-        scaled = sampling_logits(logits, temperature)
+        scaled = sampling_logits(logits, temperature, self.vocab)
         if temperature == 0.0:
             tokens = scaled.argmax(-1)
         else:
