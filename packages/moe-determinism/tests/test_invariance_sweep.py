@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.moe_determinism import batch_invariant, ops
+from tandem.moe_determinism.ops import workers
 from tandem.moe_determinism.ops.gemm import fixed_shape_bmm
 
 MAX_THREADS = max(2, os.cpu_count() or 1)
@@ -24,12 +25,16 @@ N_VALUES = st.one_of(
 
 
 def _with_threads(n: int, fn):
-    before = torch.get_num_threads()
+    """`fn()` on `n` torch threads; with several, the workers share every product of more
+    than one tile job (by default only large ones), so the sweep's shapes reach them."""
+    before, shared = torch.get_num_threads(), workers.SHARED_WORK
     torch.set_num_threads(n)
+    workers.SHARED_WORK = 0 if n > 1 else shared
     try:
         return fn()
     finally:
         torch.set_num_threads(before)
+        workers.SHARED_WORK = shared
 
 
 def _operands(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
