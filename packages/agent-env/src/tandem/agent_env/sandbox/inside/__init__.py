@@ -6,6 +6,7 @@ third-party package. ``supervisor.py`` serves one episode's tools (with ``shell.
 persistent bash, ``files.py``, the file tools, and ``capture.py``, the kept head and tail of
 a command's output), ``runner.py`` runs the hidden tests (``integrity.py`` checks that the
 test framework was left alone, ``canon.py`` writes results as canonical text),
-``forkserver_server.py`` is the
-fork server, and ``jsonlite.py`` is their small JSON codec.
+``forkserver_server.py`` is the fork server (``privileges.py`` drops its jobs' capabilities),
+``lockdown.py`` takes the last steps before untrusted code runs, and ``jsonlite.py`` is their
+small JSON codec.
 """

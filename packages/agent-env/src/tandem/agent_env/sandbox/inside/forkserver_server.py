@@ -44,11 +44,13 @@ try:
     from . import runner, supervisor
     from .jsonlite import dumps
     from .lockdown import filter_program, install_filter, not_dumpable, own_keyring
+    from .privileges import DEFAULT_LAST_CAP, drop_privileges, last_cap, warm
 except ImportError:  # imported from the tools directory, not as a package
     import runner
     import supervisor
     from jsonlite import dumps
     from lockdown import filter_program, install_filter, not_dumpable, own_keyring
+    from privileges import DEFAULT_LAST_CAP, drop_privileges, last_cap, warm
 
 import unittest  # noqa: F401 - imported once here, inherited warm by every job
 
@@ -63,6 +65,7 @@ _OWN_MODULES = (
     "jsonlite",
     "canon",
     "lockdown",
+    "privileges",
 )
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -71,28 +74,20 @@ _CLONE_NEWPID, _CLONE_NEWNET, _CLONE_NEWUSER = 0x20000000, 0x40000000, 0x1000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 1 << 14, 1 << 18
 _MNT_DETACH = 2
-_PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_CAP_AMBIENT = 24, 28, 47
-_PR_CAP_AMBIENT_CLEAR_ALL = 4
-# noroot, no_setuid_fixup, keep_caps off, no_cap_ambient_raise: each with its lock bit
-_SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x80
-_SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
 _LAYERS = "/.layers"
 # Looked up once here rather than in each job: a job's first use of a libc function or an
 # array type builds objects (ctypes caches them on first use) after the fork, each on a page
 # that the job then copies. main() also calls the harmless ones once for the same reason.
 _mount_c, _umount2, _unshare, _setns = _LIBC.mount, _LIBC.umount2, _LIBC.unshare, _LIBC.setns
-_prctl, _syscall = _LIBC.prctl, _LIBC.syscall
+_prctl, _syscall = _LIBC.prctl, _LIBC.syscall  # called through _LIBC by lockdown, privileges
 _socket_c, _ioctl = _LIBC.socket, _LIBC.ioctl
 _SIOCSIFFLAGS = 0x8914
 _LO_SOCKET = (int(socket.AF_INET), int(socket.SOCK_DGRAM | socket.SOCK_CLOEXEC), 0)
 # struct ifreq (40 bytes): the name, then the flags IFF_UP | IFF_RUNNING
 _IFREQ_LO_UP = struct.pack("16sH", b"lo", 0x1 | 0x40).ljust(40, b"\0")
-_CapHeader, _CapData = ctypes.c_uint32 * 2, ctypes.c_uint32 * 6
-_CAPSET_NR = _SYS_CAPSET.get(os.uname().machine)
-_PR_CAPBSET_READ = 23
 
 
-_LAST_CAP = 63  # the highest capability this kernel knows: read by main(), once for all jobs
+_LAST_CAP = DEFAULT_LAST_CAP  # the highest capability this kernel knows: read by main(), once
 _UID = 1000
 _WS = "/workspace"
 
@@ -193,28 +188,6 @@ def _become_agent():
         raise OSError(0, f"expected uid {_UID}, got {os.getuid()}")
 
 
-def _drop_privileges():
-    """No capabilities and no way back to them for what runs next."""
-    for cap in range(_LAST_CAP + 1):
-        if _prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-            break  # past the last capability this kernel knows (when it could not be read)
-    _check(_prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0), "securebits")
-    _check(_prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
-    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
-    data = _CapData()
-    if _CAPSET_NR is None:
-        raise OSError(0, f"unsupported architecture {os.uname().machine}")
-    _check(_syscall(_CAPSET_NR, header, data), "capset")
-    fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        status = os.read(fd, 1 << 16)
-    finally:
-        os.close(fd)
-    for key in (b"CapEff:", b"CapPrm:", b"CapBnd:", b"CapAmb:"):
-        if int(status.split(key, 1)[1].split()[0], 16):
-            raise OSError(0, f"capabilities left after dropping them ({key.decode()})")
-
-
 def _limits(job):
     for res, value in (
         (resource.RLIMIT_CPU, job.get("cpu")),
@@ -291,7 +264,7 @@ def _job_init(job, sock_fd):
         _setup_mounts(job)
         _loopback_up()
         _become_agent()
-        _drop_privileges()
+        drop_privileges(_LAST_CAP, _LIBC)
         _limits(job)
         own_keyring(_CTYPES)
         if job.get("kind") == "session":
@@ -370,14 +343,9 @@ def main():
     ctl = socket.socket(fileno=int(sys.argv[1]))
     with open(f"{_LAYERS}/seccomp.bpf", "rb") as f:
         _FILTER.append(filter_program(f.read(), _CTYPES))
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            _LAST_CAP = int(f.read())
-    except (OSError, ValueError):
-        pass  # then each job drops capabilities up to the first that the kernel refuses
+    _LAST_CAP = last_cap()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # jobs are reaped by the kernel
-    _prctl(_PR_CAPBSET_READ, 0, 0, 0, 0)  # first calls and instances made here (see above)
-    _CapHeader(0x20080522, 0), _CapData()
+    warm(_LIBC)  # first calls and instances made here (see above)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # Everything imported so far goes to the permanent generation: jobs' garbage collections
     # then leave those objects' pages alone, so fewer pages are copied after each fork.
