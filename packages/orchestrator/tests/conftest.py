@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tandem.agent_env import tool_schemas
 from tandem.moe_determinism import MoEConfig
 from tandem.orchestrator.config import EngineConfig
 from tandem.orchestrator.inference.chat_format import ChatFormat
@@ -49,6 +50,7 @@ def template_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
         '{"name": "read_file", "arguments": {"path": "src/util.py"}}',
         "Let me read the file first. The tests failed: assert 3 == 4",
+        json.dumps(tool_schemas()),  # the template lists them in every prompt
     ] * 20
     trainer = trainers.BpeTrainer(
         vocab_size=500,

@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import torch
 
-from tandem.agent_env import EnvConfig
+from tandem.agent_env import EnvConfig, tool_schemas
 from tandem.moe_determinism import batch_invariant, load_hf
 from tandem.orchestrator import RunConfig, reinforce
 from tandem.orchestrator.artifacts.metrics import read_metrics
@@ -64,7 +64,9 @@ def _checkpoint(kind: str, path: Path, vocab_size: int = 266) -> Path:
     return path
 
 
-def _config(ckpt: Path, out: Path, *, max_turns: int = 1, max_new_tokens: int = 6) -> RunConfig:
+def _config(
+    ckpt: Path, out: Path, *, max_turns: int = 1, max_new_tokens: int = 6, max_len: int = 1024
+) -> RunConfig:
     return msgspec.convert(
         {
             "run": {"output_dir": str(out), "name": "rl"},
@@ -73,7 +75,7 @@ def _config(ckpt: Path, out: Path, *, max_turns: int = 1, max_new_tokens: int = 
                 EnvConfig(max_turns=max_turns, allow_unsandboxed=True, episode_wall_s=120.0)
             ),
             "tasks": {"functions": ["gcd"], "functions_per_repo": 1},
-            "engine": {"max_slots": 4, "max_len": 1024, "max_new_tokens": max_new_tokens},
+            "engine": {"max_slots": 4, "max_len": max_len, "max_new_tokens": max_new_tokens},
             "trainer": {"lr": 1e-2, "routing_check_rows": 2},
             "rl": {
                 "mode": "sync",
@@ -127,7 +129,7 @@ def test_rl_steps_on_a_checkpoint_keep_engine_and_trainer_equal(kind: str, tmp_p
         assert all("routing_agreement_replay" not in r for r in records)
 
 
-PADDED_VOCAB = 512  # embedding rows; the tokenizer has about two thirds as many ids
+PADDED_VOCAB = 768  # embedding rows; the tokenizer has about two thirds as many ids
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +163,8 @@ def test_the_format_follows_the_policy_directory(checkpoint: Path, tmp_path: Pat
 
 
 def test_rl_on_a_padded_checkpoint_with_its_own_template(checkpoint: Path, tmp_path: Path) -> None:
-    config = _config(checkpoint, tmp_path, max_turns=2, max_new_tokens=8)
+    # the template lists the tools' schemas: ~2,900 ids of this small tokenizer
+    config = _config(checkpoint, tmp_path, max_turns=2, max_new_tokens=8, max_len=4096)
     chat = chat_format_for(checkpoint)
     assert isinstance(chat, TemplateChatFormat)
     vocab = chat.tok.vocab_size
@@ -179,8 +182,9 @@ def test_rl_on_a_padded_checkpoint_with_its_own_template(checkpoint: Path, tmp_p
 
     assert len(samples) >= 4  # groups of equal rewards are played again
     for s in samples:
-        # the prompt is the template's rendering of the task's messages
-        prompt, _ = chat.render(s.messages[:2], add_generation_prompt=True)
+        # the prompt is the template's rendering of the task's messages and the tools
+        prompt, _ = chat.render(s.messages[:2], add_generation_prompt=True, tools=tool_schemas())
+        assert "# Tools" in chat.tok.decode(prompt)
         assert s.tokens[: len(prompt)] == prompt
         sampled = [t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m]
         assert sampled and max(sampled) < vocab, "a padded id was sampled"
@@ -214,7 +218,7 @@ def test_rl_on_a_padded_checkpoint_with_its_own_template(checkpoint: Path, tmp_p
 def test_midtrain_and_eval_speak_the_checkpoints_template(checkpoint: Path, tmp_path: Path) -> None:
     from tandem.orchestrator import evaluate_policy, midtrain_policy
 
-    base = _config(checkpoint, tmp_path, max_turns=4, max_new_tokens=4)
+    base = _config(checkpoint, tmp_path, max_turns=4, max_new_tokens=4, max_len=4096)
     config = msgspec.convert(
         {
             **msgspec.to_builtins(base),

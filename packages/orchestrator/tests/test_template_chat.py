@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.agent_env import tool_schemas
 from tandem.orchestrator.inference.chat_format import ToolCallFormatError
 from tandem.orchestrator.inference.template_chat import TemplateChatFormat, TemplateError
 
@@ -70,16 +71,21 @@ CONVERSATIONS = {
 }
 
 
+TOOLS = {"no_tools": None, "tools": tool_schemas()}
+
+
+@pytest.mark.parametrize("listed", sorted(TOOLS))
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-def test_turn_by_turn_is_the_whole_conversation(model_dir: Path, name: str) -> None:
+def test_turn_by_turn_is_the_whole_conversation(model_dir: Path, name: str, listed: str) -> None:
     chat = TemplateChatFormat(model_dir)
     messages = CONVERSATIONS[name]
-    whole, mask = chat.render(messages)
+    tools = TOOLS[listed]
+    whole, mask = chat.render(messages, tools=tools)
 
     # a rollout: the prompt, then per assistant turn the sampled ids (its trained span of the
     # whole rendering: never re-tokenized) and the tool turn with the next header
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    ids, _ = chat.render(messages[:first], add_generation_prompt=True)
+    ids, _ = chat.render(messages[:first], add_generation_prompt=True, tools=tools)
     spans = [(i, j) for i, j in _runs(mask)]
     assert len(spans) == sum(m["role"] == "assistant" for m in messages)
     for k, (i, j) in enumerate(spans):
@@ -99,8 +105,9 @@ def test_turn_by_turn_is_the_whole_conversation(model_dir: Path, name: str) -> N
     assert ids == whole
 
     # the independent computation: the template's text, tokenized in one go
-    text = chat._text(messages).removesuffix(chat._carry)  # it ends at the last end token
+    text = chat._text(messages, tools=tools).removesuffix(chat._carry)  # ends at the end token
     assert chat.tok.decode(whole) == text
+    assert ("# Tools" in text) == (tools is not None)
     if name != "markup_in_tool_output":
         assert whole == chat.tok.encode(text)
 
@@ -113,10 +120,11 @@ def test_the_template_renders_as_transformers_renders_it(model_dir: Path) -> Non
     chat = TemplateChatFormat(model_dir)
     for messages in CONVERSATIONS.values():
         for gen in (False, True):
-            theirs = reference.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=gen
-            )
-            assert chat._text(messages, gen) == theirs
+            for tools in TOOLS.values():
+                theirs = reference.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=gen
+                )
+                assert chat._text(messages, gen, tools) == theirs
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:

@@ -95,9 +95,19 @@ class ChatFormat:
         return ids + body, [0] * len(ids) + [trained] * len(body)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """A whole conversation as (ids, loss_mask), optionally opening an assistant turn."""
+        """A whole conversation as (ids, loss_mask), optionally opening an assistant turn.
+
+        ``tools`` is accepted for the interface a checkpoint's template has, and not written:
+        the byte format has no tool listing (its tiny policies learn their tools, name and
+        arguments, from the oracle's transcripts, and every token of a listing would come out
+        of their short context)."""
+        del tools
         ids: list[int] = []
         mask: list[int] = []
         for message in messages:

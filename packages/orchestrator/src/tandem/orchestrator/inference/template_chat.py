@@ -4,7 +4,9 @@
 or ``tokenizer_config.json``'s ``chat_template``) from a Hugging Face model directory and
 offers what `ChatFormat` offers: whole conversations and single turns as (ids, loss mask), the
 assistant header, and strict parsing of a generated turn's tool call in the template's own
-format (Qwen3's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks).
+format (Qwen3's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks). The tools'
+schemas go to the template as ``tools``, so a real checkpoint is told its tools the way it was
+trained to read them (Qwen3's ``# Tools`` block in the system turn).
 
 Token-exactness. A conversation is cut into pieces at message boundaries and each piece is
 tokenized on its own, so the ids of a conversation are the ids of its turns put end to end:
@@ -169,8 +171,16 @@ class TemplateChatFormat:
         names = [t.content for t in self.tok.inner.get_added_tokens_decoder().values()]
         return sorted(names, key=len, reverse=True)
 
-    def _text(self, messages: Sequence[Mapping[str, Any]], gen: bool = False) -> str:
-        return self._template.render(messages=list(messages), add_generation_prompt=gen)
+    def _text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        gen: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        listed = list(tools) if tools else None
+        return self._template.render(
+            messages=list(messages), add_generation_prompt=gen, tools=listed
+        )
 
     def header(self, role: str) -> list[int]:
         """The generation prompt that opens an assistant turn (the only header sampled after)."""
@@ -178,14 +188,19 @@ class TemplateChatFormat:
             raise ValueError("a chat template opens only assistant turns on its own")
         return self.tok.encode(self._header_text)
 
-    def _pieces(self, messages: Sequence[Mapping[str, Any]], gen: bool) -> list[_Piece]:
+    def _pieces(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        gen: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[_Piece]:
         """Pieces whose concatenation is the template's rendering, one per message (an
         assistant's split into header and trained body), plus the generation prompt."""
         marked = [_marked(m, k) for k, m in enumerate(messages)]
         pieces: list[_Piece] = []
         before, carry = "", ""
         for k, message in enumerate(marked):
-            text = self._text(marked[: k + 1])
+            text = self._text(marked[: k + 1], tools=tools)
             if not text.startswith(before):
                 raise TemplateError(
                     f"the chat template renders message {k} by changing earlier turns; "
@@ -208,7 +223,7 @@ class TemplateChatFormat:
             carry = own[cut:]
         # a conversation that ends with an assistant turn ends at its end token, where
         # sampling stopped; the template's text after it belongs to a next turn
-        tail = carry + self._text(marked, True)[len(before) :] if gen else ""
+        tail = carry + self._text(marked, True, tools)[len(before) :] if gen else ""
         if tail:
             pieces.append(_Piece(tail))
         return pieces
@@ -228,14 +243,20 @@ class TemplateChatFormat:
         return self.tok.encode(pre) + self.tok.encode_literal(content) + self.tok.encode(post)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[list[int], list[int]]:
         """A whole conversation as (ids, loss_mask): 1 on assistant bodies and end tokens.
         The ids stop at the last turn's end (without the text the template writes after an
-        assistant's end token) unless a generation prompt follows."""
+        assistant's end token) unless a generation prompt follows. ``tools``: OpenAI-style
+        function schemas, passed to the template as ``tools`` (as transformers'
+        ``apply_chat_template(..., tools=...)`` does)."""
         ids: list[int] = []
         mask: list[int] = []
-        for piece in self._pieces(messages, add_generation_prompt):
+        for piece in self._pieces(messages, add_generation_prompt, tools):
             piece_ids = self._encode(piece)
             ids += piece_ids
             mask += [int(piece.trained)] * len(piece_ids)

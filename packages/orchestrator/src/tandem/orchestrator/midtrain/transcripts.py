@@ -17,8 +17,16 @@ from typing import Any
 import msgspec
 import structlog
 
-from tandem.agent_env import EnvConfig, OraclePolicy, Task, ToolCall, Trajectory, run_episodes
-from tandem.orchestrator.inference.chat_format import ChatFormat
+from tandem.agent_env import (
+    EnvConfig,
+    OraclePolicy,
+    Task,
+    ToolCall,
+    Trajectory,
+    run_episodes,
+    tool_schemas,
+)
+from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.rollout.episode import truncate_observation
 
 log = structlog.get_logger()
@@ -64,19 +72,20 @@ def fit_turns(messages: Sequence[dict[str, Any]], max_turns: int) -> list[dict[s
 
 
 def render_transcript(
-    chat: ChatFormat,
+    chat: AnyChatFormat,
     messages: Sequence[dict[str, Any]],
     max_observation_chars: int,
     skip_tools: Sequence[str] = (),
 ) -> tuple[list[int], list[int]]:
-    """(ids, loss_mask) of a finished episode, as the engine's token stream would hold it."""
+    """(ids, loss_mask) of a finished episode, as the engine's token stream would hold it
+    (the prompt lists the environment's tools, as a rollout's does)."""
     msgs = condense(messages, skip_tools)
     while msgs and msgs[-1].get("role") == "tool":
         msgs.pop()  # the episode ends with the policy's last call
     for m in msgs:
         if m.get("role") == "tool":
             m["content"] = truncate_observation(m.get("content") or "", max_observation_chars)
-    return chat.render(msgs)
+    return chat.render(msgs, tools=tool_schemas())
 
 
 def minimal_edit(text: str, old: str, new: str, min_chars: int = 10) -> tuple[str, str]:
@@ -158,7 +167,7 @@ async def _play(
 def oracle_transcripts(
     tasks: Sequence[Task],
     config: EnvConfig,
-    chat: ChatFormat,
+    chat: AnyChatFormat,
     *,
     max_observation_chars: int,
     concurrency: int = 32,
@@ -182,6 +191,7 @@ def oracle_transcripts(
             "obs": max_observation_chars,
             "skip": list(skip_tools),
             "format": chat.VERSION,
+            "tools": tool_schemas(),
             "oracle": f"minimal-edit-{edit_min_chars}",
             "max_turns": max_turns,
         }

@@ -100,8 +100,9 @@ async def run_token_episode(
     slot = await engine.acquire()
     try:
         await env.reset()
-        tools = tool_arguments(env.tool_schemas()) if stop_malformed else None
-        prompt, _ = chat.render(env.messages, add_generation_prompt=True)
+        schemas = env.tool_schemas()
+        tools = tool_arguments(schemas) if stop_malformed else None
+        prompt, _ = chat.render(env.messages, add_generation_prompt=True, tools=schemas)
         tokens, mask = list(prompt), [0] * len(prompt)
         logprobs, versions = [0.0] * len(prompt), [-1] * len(prompt)
         routes: list[np.ndarray] = []

@@ -1,0 +1,168 @@
+"""An episode in a checkpoint's own chat format, played against the real environment by an
+engine that writes scripted turns.
+
+The prompt lists the environment's tools in the template's ``# Tools`` block; each
+``<tool_call>`` turn reaches the environment as the call it spells; the episode's token
+stream is the whole conversation rendered at once (the independent computation: the template
+over the trajectory's messages); and a turn sampled as ids the tokenizer would never produce
+(one id per character) stays exactly those ids in the stream the trainer scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.agent_env import EnvConfig, generate_tasks, tool_schemas
+from tandem.orchestrator.inference.template_chat import TemplateChatFormat
+from tandem.orchestrator.rollout.episode import run_token_episode
+from tandem.orchestrator.wire import Sample, TurnOutput
+
+
+class ScriptedEngine:
+    """The `Engine` protocol, answering each turn with the next scripted ids."""
+
+    def __init__(self, turns: list[list[int]]) -> None:
+        self.turns = list(turns)
+        self.feeds: list[list[int]] = []
+
+    @property
+    def max_len(self) -> int:
+        return 8192
+
+    async def acquire(self) -> int:
+        return 0
+
+    def release(self, slot: int) -> None:
+        pass
+
+    async def generate(
+        self,
+        slot: int,
+        feed: list[int],
+        generator: torch.Generator,
+        max_new_tokens: int,
+        keep_going: Callable[[int], bool] | None = None,
+    ) -> TurnOutput:
+        self.feeds.append(list(feed))
+        tokens = self.turns.pop(0)
+        fed = len(feed) + len(tokens) - 1  # every sampled token but the last is fed
+        return TurnOutput(
+            tokens=tokens,
+            logprobs=[-0.5] * len(tokens),
+            versions=[0] * len(tokens),
+            routes=np.zeros((fed, 1, 1), dtype=np.int16),
+            min_version=0,
+            max_version=0,
+            truncated=False,
+        )
+
+
+def _turn(chat: TemplateChatFormat, text: str) -> list[int]:
+    """A sampled turn: the tokenizer's ids of ``text``, then the end-of-turn id."""
+    return [*chat.tok.encode(text), chat.end_id]
+
+
+def _call_text(name: str, **arguments: object) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+def _play(chat: TemplateChatFormat, turns: list[list[int]]) -> tuple[Sample, ScriptedEngine]:
+    engine = ScriptedEngine(turns)
+    task = generate_tasks(seed=0, n=1)[0]
+    config = EnvConfig(max_turns=3, allow_unsandboxed=True, system_prompt="Fix the bug.")
+    sample = asyncio.run(
+        run_token_episode(
+            engine,
+            chat,
+            task,
+            config,
+            max_new_tokens=512,
+            max_observation_chars=100_000,
+            generator=torch.Generator().manual_seed(0),
+        )
+    )
+    return sample, engine
+
+
+def _assistant_spans(mask: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+@pytest.fixture(scope="module")
+def chat(template_tokenizer_dir: Path) -> TemplateChatFormat:
+    return TemplateChatFormat(template_tokenizer_dir)
+
+
+def test_a_template_episode_is_the_whole_conversation(chat: TemplateChatFormat) -> None:
+    texts = [
+        "Let me look around." + "\n" + _call_text("list_dir", path="."),
+        _call_text("submit"),
+    ]
+    turns = [_turn(chat, t) for t in texts]
+    sample, engine = _play(chat, turns)
+
+    prompt = chat.tok.decode(engine.feeds[0])
+    assert "# Tools" in prompt
+    for schema in tool_schemas():
+        assert json.dumps(schema, ensure_ascii=False) in prompt
+
+    # each call reached the environment as written: list_dir answered, submit ended it
+    calls = [m["tool_calls"][0]["function"] for m in sample.messages if m["role"] == "assistant"]
+    assert [c["name"] for c in calls] == ["list_dir", "submit"]
+    assert json.loads(calls[0]["arguments"]) == {"path": "."}
+    assert sample.format_errors == 0 and sample.turns == 2
+    listing = next(m["content"] for m in sample.messages if m["role"] == "tool")
+    assert "error" not in listing.lower() and listing.strip()
+
+    # the stream ends with the last sampled turn: the environment's answer to the final
+    # call is never fed
+    assert sample.messages[-1]["role"] == "tool"
+    whole, mask = chat.render(sample.messages[:-1], tools=tool_schemas())
+    assert sample.tokens == whole
+    assert sample.loss_mask == mask
+    spans = _assistant_spans(sample.loss_mask)
+    assert [sample.tokens[i:j] for i, j in spans] == turns
+
+
+def test_sampled_ids_are_never_retokenized(chat: TemplateChatFormat) -> None:
+    """A turn sampled one character per id parses to the same call, and the trainer's
+    stream keeps those ids (a re-rendering would give the tokenizer's own, fewer ids)."""
+    text = _call_text("list_dir", path=".")
+    odd = [*(i for ch in text for i in chat.tok.encode(ch)), chat.end_id]
+    canonical = _turn(chat, text)
+    assert odd != canonical and chat.tok.decode(odd) == chat.tok.decode(canonical)
+    turns = [odd, _turn(chat, _call_text("submit"))]
+    sample, _ = _play(chat, turns)
+
+    spans = _assistant_spans(sample.loss_mask)
+    assert sample.tokens[spans[0][0] : spans[0][1]] == odd
+    assert sample.format_errors == 0
+    whole, _ = chat.render(sample.messages[:-1], tools=tool_schemas())
+    assert len(whole) == len(sample.tokens) - (len(odd) - len(canonical))
+
+
+def test_a_malformed_turn_costs_the_turn_with_a_reason(chat: TemplateChatFormat) -> None:
+    turns = [
+        _turn(chat, '<tool_call>\n{"name": "list_dir", "arguments": \n</tool_call>'),
+        _turn(chat, _call_text("submit")),
+    ]
+    sample, engine = _play(chat, turns)
+    assert sample.format_errors == 1 and sample.turns == 2
+    observation = chat.tok.decode(engine.feeds[1])
+    assert "<tool_response>\nerror: the tool call is not valid JSON" in observation
+    spans = _assistant_spans(sample.loss_mask)
+    assert [sample.tokens[i:j] for i, j in spans] == turns
