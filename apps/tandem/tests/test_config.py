@@ -12,6 +12,8 @@ from tandem.app.config import apply_overrides, dump_config, load_config, parse_o
 from tandem.app.errors import ConfigError
 from tandem.app.pipeline_config import PipelineConfig
 
+DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+
 
 def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "run.toml"
@@ -189,3 +191,37 @@ def test_dump_round_trips() -> None:
 def test_bad_library_settings_fail_when_the_config_loads(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(PipelineConfig, None, [override])
+
+
+def test_a_checkpoint_path_replaces_the_shapes_of_the_layers_below(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's tiny model does not stand in the way of ``model.path``: a layer that sets
+    the path (``--set``, or a file over its base) drops the shapes of the layers below and
+    takes the checkpoint's; shapes set beside the path are checked against it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tandem.app.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shapes = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24)
+    hf = Qwen3MoeConfig(
+        vocab_size=266, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_experts=4, num_experts_per_tok=2, **shapes,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(hf).save_pretrained(ckpt)
+    demo = load_config(PipelineConfig, DEMO)
+    assert demo.model.hidden_size == 96 and demo.model.num_hidden_layers == 2
+
+    by_set = load_config(PipelineConfig, DEMO, [f"model.path={ckpt}"])
+    top = _write(tmp_path, f"base = '{DEMO}'\n[model]\npath = '{ckpt}'\n")
+    by_file = load_config(PipelineConfig, top)
+    for cfg in (by_set, by_file):
+        assert (cfg.model.hidden_size, cfg.model.num_hidden_layers) == (32, 1)
+        assert cfg.model.moe_intermediate_size == 24 and cfg.model.path == str(ckpt)
+        assert cfg.tasks == demo.tasks and cfg.rl == demo.rl  # the rest is the demo's
+
+    with pytest.raises(ConfigError, match=r"model\.hidden_size: 96, but the checkpoint"):
+        load_config(PipelineConfig, DEMO, [f"model.path={ckpt}", "model.hidden_size=96"])
+    assert main(["demo", "--set", f"model.path={ckpt}", "--dump-config"]) == 0
+    assert "hidden_size = 32" in capsys.readouterr().out

@@ -101,6 +101,30 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MODEL_RUN_KEYS = ("path", "kv_split_size")
+"""``[model]`` keys that say how a model is run, not what shape it has."""
+
+
+def _sets_model_path(data: dict[str, Any]) -> bool:
+    model = data.get("model")
+    return isinstance(model, dict) and bool(model.get("path"))
+
+
+def without_shapes(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without its ``[model]`` shapes (the run keys stay).
+
+    Shapes describe a model built from scratch. A layer of config (a file over its ``base``,
+    ``--set`` over a file) that points ``model.path`` at a checkpoint takes them from the
+    checkpoint's config.json instead, so the shapes of the layers below are dropped, not
+    compared: the demo's tiny model does not stand in the way of ``--set model.path=...``.
+    Shapes set in the same layer as the path are kept and checked against the checkpoint."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return data
+    kept = {k: v for k, v in model.items() if k in MODEL_RUN_KEYS}
+    return {**data, "model": kept}
+
+
 def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A TOML config with its ``base`` resolved: a file that names a base lists only what it
     changes, so a variant of a run (a quick check, a bigger model) cannot drift from it."""
@@ -114,7 +138,8 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str
     base_path = p.parent / base
     if base_path.resolve() in (*_seen, p.resolve()):
         raise ConfigError(f"config file {p}: {BASE_KEY} = {base!r} leads back to itself")
-    return merge(read_config_file(base_path, (*_seen, p.resolve())), data)
+    below = read_config_file(base_path, (*_seen, p.resolve()))
+    return merge(without_shapes(below) if _sets_model_path(data) else below, data)
 
 
 def _describe(err: msgspec.ValidationError) -> str:
@@ -144,6 +169,8 @@ def load_config(
     """Load ``cls`` from an optional TOML file (on top of its ``base``, if it names one) plus
     dotted overrides (later wins)."""
     data = read_config_file(path) if path is not None else {}
+    if _sets_model_path(apply_overrides({}, overrides or [])):
+        data = without_shapes(data)
     data = apply_overrides(data, overrides or [])
     return build_config(cls, data, source=str(path) if path is not None else "config")
 
