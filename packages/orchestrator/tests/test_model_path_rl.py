@@ -250,3 +250,57 @@ def test_midtrain_and_eval_speak_the_checkpoints_template(checkpoint: Path, tmp_
     assert chat_format_for(policy.config.path).VERSION == chat.VERSION
     result = evaluate_policy(policy, config)
     assert result.tasks == 1 and 0.0 <= result.pass_at[1] <= 1.0
+
+
+def test_a_rollout_actor_rebuilds_the_checkpoints_format(checkpoint: Path, tmp_path: Path) -> None:
+    """A Ray rollout actor's body, started from its spec after the spec's round trip through
+    the wire (all an actor in another process gets), speaks the checkpoint's template: its
+    prompts list the tools, it never samples a padded id, and its engine holds the published
+    weights bit for bit."""
+    import asyncio
+
+    from tandem.delta_sync import LocalStore
+    from tandem.orchestrator.backends.ray.worker import RolloutWorker, WorkerSpec, state_digest
+    from tandem.orchestrator.training.weights import WeightPublisher, state_for_sync
+    from tandem.orchestrator.wire import PlayedGroup, decode
+
+    config = _config(checkpoint, tmp_path, max_turns=2, max_new_tokens=8, max_len=4096)
+    chat = chat_format_for(checkpoint)
+    policy = load_policy(checkpoint)
+    assert policy.config.path == str(checkpoint)
+    store = tmp_path / "weights"
+    store.mkdir()
+    publisher = WeightPublisher(LocalStore(str(store)), policy, anchor_every=10)
+    publisher.publish(0)
+    publisher.close()
+    spec = WorkerSpec(
+        model=policy.config,
+        engine=config.engine,
+        env=config.env,
+        episode=config.episode,
+        tasks=config.tasks,
+        task_seed=config.tasks.train_seed,
+        task_offset=0,
+        seed=0,
+        group_size=2,
+        store_url=str(store),
+    )
+    spec = msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=WorkerSpec)
+    worker = RolloutWorker(spec, "actor-0", torch_threads=1, poll_s=0.05)
+
+    async def play() -> tuple[int, PlayedGroup, tuple[int, str]]:
+        try:
+            version = await worker.start(follow=False)
+            played = decode(await worker.play(0, 0), PlayedGroup)
+            return version, played, worker.digest()
+        finally:
+            await worker.stop()
+
+    version, played, digest = asyncio.run(play())
+    assert version == 0 and digest == (0, state_digest(state_for_sync(policy)))
+    assert len(played.samples) == 2
+    for s in played.samples:
+        prompt, _ = chat.render(s.messages[:2], add_generation_prompt=True, tools=tool_schemas())
+        assert s.tokens[: len(prompt)] == prompt
+        sampled = [t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m]
+        assert sampled and max(sampled) < chat.tok.vocab_size
