@@ -83,16 +83,6 @@ def build(
         torch_threads=rl.ray.torch_threads,
         nice=rl.ray.trainer_nice,
     )
-    trainer = RayTrainer(
-        spec,
-        rl.ray,
-        state={k: v.clone() for k, v in state_for_sync(policy).items()},
-        optimizer_state=optimizer,
-        run_name=f"{config.run.name}-{start.stream}",
-        reference=reference,
-    )
-    sink = RaySink(trainer)
-    sink.publish(start.version)
     worker = WorkerSpec(
         model=policy.config,
         engine=engine,
@@ -105,5 +95,21 @@ def build(
         group_size=rl.group_size,
         store_url=stream_url(rl.ray.pull_from or rl.weights_store, run_dir, start.stream),
     )
+    # the rollout actors and their environment pools start beside the trainer ranks
     rollouts = RayRollouts(worker, rl.ray, run_name=config.run.name, stream=start.stream)
+    try:
+        trainer = RayTrainer(
+            spec,
+            rl.ray,
+            state={k: v.clone() for k, v in state_for_sync(policy).items()},
+            optimizer_state=optimizer,
+            run_name=f"{config.run.name}-{start.stream}",
+            reference=reference,
+            while_starting=rollouts.request_actors,
+        )
+        sink = RaySink(trainer)
+        sink.publish(start.version)
+    except BaseException:
+        rollouts.drop_requested()
+        raise
     return RayBackend(rollouts, trainer, sink, policy, own)

@@ -103,25 +103,66 @@ class RayRollouts:
     _follow: bool = True  # actors pull each new version by themselves (async mode)
     _pinned: int | None = None  # the version `sync_to` put the pool on (modes that call it
     # do not follow; None: a new actor starts on the newest version)
+    control: Any = None  # the run's `PoolControl` actor
+    _requested: list[tuple[str, Any]] = field(default_factory=list)  # asked for, not started
 
-    async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
-        self._follow = follow
-        self._started_ray = await asyncio.to_thread(connect, self.config)
+    def request_actors(self) -> None:
+        """Ask the cluster for the pool's control actor, the environment pools and the first
+        ``workers`` rollout actors without waiting for any of them. Their processes start and
+        import their code while the caller goes on (the backend starts the trainer ranks
+        meanwhile); `start` then waits for them. Once per run; `start` calls it if nobody did."""
+        if self.control is not None:
+            return
         import ray
 
         self._cls = ray.remote(RolloutWorker)
         self.control = (
             ray.remote(PoolControl)
             .options(
-                name=f"pool-{self.run_name}",
+                name=pool_name(self.run_name),
                 namespace=RAY_NAMESPACE,
                 get_if_exists=True,
                 num_cpus=0,
             )
             .remote(self.config.workers, self.worker_resources)
         )
+        cls = ray.remote(EnvPool)
+        names = [env_pool_name(self.run_name, self.stream, i) for i in range(self.config.env_pools)]
+        self.env_pools = [
+            cls.options(name=n, namespace=RAY_NAMESPACE, num_cpus=self.config.env_cpus).remote(n)
+            for n in names
+        ]
+        self.spec = msgspec.structs.replace(self.spec, env_pools=names)
+        self._requested = [self._new_actor() for _ in range(self.config.workers)]
+
+    def drop_requested(self) -> None:
+        """Kill the rollout actors asked for and never started (a run that failed before
+        `start`), so their names are free for the next run."""
+        import ray
+
+        for _, handle in self._requested:
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        self._requested.clear()
+
+    def _new_actor(self) -> tuple[str, Any]:
+        """A rollout actor asked of the cluster (its process starts; nothing waits for it)."""
+        name = f"rollout-{next(self._names)}"
+        handle = self._cls.options(
+            num_cpus=self.config.worker_cpus,
+            num_gpus=self.config.worker_gpus,
+            max_concurrency=1024,
+            name=f"{self.run_name}-{self.stream}-{name}",
+            namespace=RAY_NAMESPACE,
+        ).remote(self.spec, name, self.config.torch_threads, self.config.poll_s)
+        return name, handle
+
+    async def start(self, *, follow: bool) -> list[asyncio.Task[Any]]:
+        self._follow = follow
+        self._started_ray = await asyncio.to_thread(connect, self.config)
+        self.request_actors()
         await self.control.resize.remote(self.config.workers - await self.control.get.remote())
-        await self._start_env_pools()
+        await self.env_pool_stats()  # each pool answers once it is up
         await self._first_workers(self.config.workers)
         return [asyncio.create_task(self._watch())]
 
@@ -135,19 +176,6 @@ class RayRollouts:
             if not starting and not self.workers:
                 raise failed[0] if failed else RuntimeError("no rollout worker started")
         self._changes.update(asyncio.create_task(self._logged(t)) for t in starting)
-
-    async def _start_env_pools(self) -> None:
-        """The environment-pool actors every rollout actor runs its sandboxes in (if any)."""
-        import ray
-
-        cls = ray.remote(EnvPool)
-        names = [env_pool_name(self.run_name, self.stream, i) for i in range(self.config.env_pools)]
-        self.env_pools = [
-            cls.options(name=n, namespace=RAY_NAMESPACE, num_cpus=self.config.env_cpus).remote(n)
-            for n in names
-        ]
-        await self.env_pool_stats()  # each answers once it is up
-        self.spec = msgspec.structs.replace(self.spec, env_pools=names)
 
     async def env_pool_stats(self) -> list[dict[str, Any]]:
         """Per pool: its pid, episodes open now and episodes served so far."""
@@ -178,14 +206,7 @@ class RayRollouts:
         """Start one more actor; it takes groups once it holds the newest version. One the
         pool starts to reach `PoolControl`'s target (``for_target``) is dropped while still
         pending when the target is lowered."""
-        name = f"rollout-{next(self._names)}"
-        handle = self._cls.options(
-            num_cpus=self.config.worker_cpus,
-            num_gpus=self.config.worker_gpus,
-            max_concurrency=1024,
-            name=f"{self.run_name}-{self.stream}-{name}",
-            namespace=RAY_NAMESPACE,
-        ).remote(self.spec, name, self.config.torch_threads, self.config.poll_s)
+        name, handle = self._requested.pop(0) if self._requested else self._new_actor()
         self._pending[name] = handle
         if for_target:
             self._droppable.add(name)
@@ -348,14 +369,16 @@ class RayRollouts:
 
         while self._pending:
             self._cancel_pending(next(iter(self._pending)))
+        self.drop_requested()
         # rollout actors first: their episodes' sandboxes may live in the pools
         for handle in [*(w.handle for w in self.workers), *self.env_pools]:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(handle.stop.remote(), timeout=10)
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
-        with contextlib.suppress(Exception):
-            ray.kill(self.control, no_restart=True)
+        if self.control is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.control, no_restart=True)
         self.workers.clear()
         if self._started_ray:
             ray.shutdown()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,9 +221,13 @@ class RayTrainer:
         optimizer_state: dict[str, Any] | None,
         run_name: str,
         reference: dict[str, torch.Tensor] | None = None,
+        while_starting: Callable[[], None] | None = None,
     ) -> None:
         """``reference``: the KL penalty's reference weights (the driver's, which a resumed
-        run's ranks could not rebuild from the checkpointed weights they start from)."""
+        run's ranks could not rebuild from the checkpointed weights they start from).
+        ``while_starting``: called once the ranks are asked for, before waiting for them
+        (other actors asked for then start beside them, and the ranks keep their place in
+        a cluster that cannot yet hold everything)."""
         import ray
 
         self.world = spec.trainer.processes
@@ -237,6 +241,8 @@ class RayTrainer:
             ).remote(spec, rank, self.world)
             for rank in range(self.world)
         ]
+        if while_starting is not None:
+            while_starting()
         master = ray.get(self.ranks[0].master_address.remote())
         state_ref = ray.put(state)
         ref = ray.put(reference) if reference is not None else None
