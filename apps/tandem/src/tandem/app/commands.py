@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from tandem.app.config import dump_config
@@ -124,6 +125,8 @@ def _train_report(config: PipelineConfig, rl_dir: Path, summary: Any) -> None:
 
 
 def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
+    """Mid-train, evaluate, RL, evaluate again: the amount of work is the config's; the wall
+    time of each stage is reported, and ``[demo]``'s caps (off by default) may cut it."""
     import torch
 
     from tandem.app.demo_report import category_rows, demo_table, print_table, write_demo_report
@@ -136,22 +139,32 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.run.seed)
     demo = config.demo
-    log.info("demo.start", run_dir=str(run_dir), budget_s=demo.time_budget_s)
+    threads = torch.get_num_threads()
+    log.info("demo.start", run_dir=str(run_dir), time_cap_s=demo.time_cap_s or None)
 
-    model, mid_info = midtrain_policy(config, deadline=t_start + demo.midtrain_budget_s)
+    mid_cap = demo.midtrain_cap()
+    deadline = None if mid_cap is None else t_start + mid_cap
+    model, mid_info = midtrain_policy(config, deadline=deadline)
     t_mid = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
     before = evaluate_policy(model, config)
     t_eval = time.perf_counter() - t0
-    remaining = demo.time_budget_s - (time.perf_counter() - t_start) - 1.15 * t_eval - 15.0
-    log.info("demo.rl_budget", seconds=round(remaining, 1), eval_s=round(t_eval, 1))
-    summary = reinforce(
-        model, config, progress=sys.stderr.isatty(), max_wall_s=max(remaining, 30.0)
-    )
+    rl_cap = None
+    if demo.time_cap_s:
+        # the final evaluation is reserved as long as the first took, and a margin
+        rl_cap = demo.time_cap_s - (time.perf_counter() - t_start) - 1.15 * t_eval - 15.0
+        rl_cap = max(rl_cap, 30.0)
+        log.info("demo.rl_cap", seconds=round(rl_cap, 1), eval_s=round(t_eval, 1))
+    summary = reinforce(model, config, progress=sys.stderr.isatty(), max_wall_s=rl_cap)
     save_policy(model, run_dir / "rl_trained", stage="rl", steps=summary.steps_done)
+    t0 = time.perf_counter()
     after = evaluate_policy(model, config)
+    t_eval_after = time.perf_counter() - t0
     wall = time.perf_counter() - t_start
+    for name, result in (("eval_before.json", before), ("eval_after.json", after)):
+        # per-task counts, for pairing this run with others
+        (run_dir / name).write_bytes(msgspec.json.format(msgspec.json.encode(result)))
     rows = demo_table(
         config,
         before=before,
@@ -159,14 +172,19 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
         summary=summary,
         mid_info=mid_info,
         stage_seconds={
-            "midtrain": t_mid,
-            "eval": t_eval,
-            "rl": summary.wall_s,
+            "mid-training": t_mid,
+            "eval before": t_eval,
+            "RL": summary.wall_s,
+            "eval after": t_eval_after,
             "total": wall,
         },
+        threads=(
+            ("mid-training/eval", threads),
+            ("RL, engine and trainer each", config.rl.torch_threads or threads),
+        ),
     )
     categories = category_rows(before, after)
     print_table(rows, categories)
-    report = write_demo_report(config, rows, dump_config(config), categories)
+    report = write_demo_report(config, rows, dump_config(config), categories, before, after)
     print(f"report: {report}")
     return 0

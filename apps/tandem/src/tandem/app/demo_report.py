@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tandem.app.headline import band_line, cut_short_line, lift_line, paired_lift
+from tandem.app.machine import machine_line, this_machine
 from tandem.app.pipeline_config import PipelineConfig
 
 
@@ -21,8 +23,53 @@ def demo_table(
     summary: Any,
     mid_info: dict[str, Any],
     stage_seconds: dict[str, float],
+    threads: tuple[tuple[str, int], ...],
 ) -> list[tuple[str, str]]:
-    """Rows (metric, value) aggregated over the whole RL run from its metrics file."""
+    """Rows (metric, value): first the headline (a stage a time cap cut short, the paired
+    lift and the README's band, the machine, wall times), then figures aggregated over the
+    whole RL run from its metrics file."""
+    return [
+        *headline_rows(config, before, after, summary.steps_done, mid_info["steps"]),
+        ("machine", machine_line(this_machine(), threads)),
+        (
+            f"wall time ({' / '.join(stage_seconds)})",
+            " / ".join(f"{s:.0f} s" for s in stage_seconds.values()),
+        ),
+        *_run_rows(config, before, after, summary, mid_info),
+    ]
+
+
+def headline_rows(
+    config: PipelineConfig, before: Any, after: Any, rl_steps: int, midtrain_steps: int
+) -> list[tuple[str, str]]:
+    """The report's first rows: any stage cut short, then the lift and how it compares."""
+    demo = config.demo
+    cuts = [
+        cut_short_line(
+            "mid-training",
+            midtrain_steps,
+            config.midtrain.steps,
+            demo.midtrain_cap(),
+            "demo.midtrain_cap_s" if demo.midtrain_cap_s else "demo.time_cap_s",
+        ),
+        cut_short_line("RL", rl_steps, config.rl.steps, demo.time_cap_s, "demo.time_cap_s"),
+    ]
+    rows = [("NOTE", c) for c in cuts if c is not None]
+    lift = paired_lift(before, after)
+    rows += [
+        ("held-out pass@1 lift, paired by task", lift_line(lift)),
+        ("compared with the README", band_line(lift, demo.lift_band)),
+    ]
+    return rows
+
+
+def _run_rows(
+    config: PipelineConfig,
+    before: Any,
+    after: Any,
+    summary: Any,
+    mid_info: dict[str, Any],
+) -> list[tuple[str, str]]:
     from tandem.orchestrator import fmt, read_metrics
 
     records = read_metrics(config.run_dir / "rl" / "metrics.jsonl")
@@ -54,19 +101,19 @@ def demo_table(
         ("held-out tasks (never trained on)", f"{n_eval}, seed {config.tasks.eval_seed}"),
         ("pass@1 mid-trained", fmt(p0)),
         ("pass@1 RL-trained", fmt(p1)),
-        ("pass@1 change (points)", f"{100 * (p1 - p0):+.1f}"),
         (
             "format errors per turn (before -> after)",
             f"{fmt(before.format_error_rate)} -> {fmt(after.format_error_rate)}",
         ),
         (
             "mid-training",
-            f"{mid_info['steps']} steps, {mid_info['transcripts']} oracle transcripts, "
+            f"{mid_info['steps']} of {config.midtrain.steps} steps, "
+            f"{mid_info['transcripts']} oracle transcripts, "
             f"{mid_info['params'] / 1e6:.2f}M params",
         ),
         (
             "RL",
-            f"{summary.steps_done} steps ({config.rl.mode}, max_staleness "
+            f"{summary.steps_done} of {config.rl.steps} steps ({config.rl.mode}, max_staleness "
             f"{config.rl.max_staleness}), {summary.trajectories} trajectories",
         ),
         (
@@ -107,10 +154,6 @@ def demo_table(
             f"{fmt(mean(fed), '.0f')} / {fmt(mean(shared), '.0f')}",
         ),
         ("trainer idle fraction", fmt(summary.trainer_idle_fraction, ".2f")),
-        (
-            "wall time (mid-train / eval / RL / total)",
-            " / ".join(f"{stage_seconds[k]:.0f} s" for k in ("midtrain", "eval", "rl", "total")),
-        ),
     ]
 
 
@@ -162,15 +205,18 @@ def write_demo_report(
     config: PipelineConfig,
     rows: list[tuple[str, str]],
     config_toml: str,
-    categories: list[tuple[str, ...]] | None = None,
+    categories: list[tuple[str, ...]] | None,
+    before: Any,
+    after: Any,
 ) -> Path:
     from tandem.orchestrator import markdown_table, plot_rewards, write_report
 
     run_dir = config.run_dir
-    before = float(rows[1][1]) if rows[1][1] != "n/a" else None
-    after = float(rows[2][1]) if rows[2][1] != "n/a" else None
     image = plot_rewards(
-        run_dir / "rl" / "metrics.jsonl", run_dir / "reward_curve.png", baseline=before, final=after
+        run_dir / "rl" / "metrics.jsonl",
+        run_dir / "reward_curve.png",
+        baseline=before.pass_at.get(1),
+        final=after.pass_at.get(1),
     )
     return write_report(
         run_dir / "report.md",
@@ -185,6 +231,7 @@ def write_demo_report(
             "Artefacts": (
                 "- `midtrained/`, `rl_trained/`: policies in the Hugging Face Qwen3-MoE layout\n"
                 "- `midtrain_metrics.jsonl`, `rl/metrics.jsonl`: per-step metrics\n"
+                "- `eval_before.json`, `eval_after.json`: held-out scores, `solved` per task\n"
                 "- `rl/checkpoints/`: resumable checkpoints; `rl/weights/`: the delta-sync streams"
             ),
         },

@@ -14,15 +14,30 @@ from tandem.orchestrator import RunConfig
 
 
 class DemoSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The demo's wall-clock plan: mid-training gets at most ``midtrain_budget_s``; RL gets
-    what is left of ``time_budget_s`` after reserving time for the final evaluation."""
+    """The demo's own settings. Its work is fixed by the stage sections (``midtrain.steps``,
+    ``rl.steps``, ``eval.tasks`` x ``eval.samples``), so the same config and seed learn the
+    same on any machine and the wall time is a result.
 
-    time_budget_s: float = 780.0
-    midtrain_budget_s: float = 360.0
+    ``time_cap_s``: 0 (none) or the seconds the whole demo may take: RL stops early enough to
+    leave the final evaluation as long as the first took, and mid-training stops at
+    ``midtrain_cap_s`` (0: at ``time_cap_s``). The report's first lines say when a cap cut a
+    stage short. ``lift_band``: the band of held-out pass@1 lifts (points) the README states
+    for this config, which the report compares the run with."""
+
+    time_cap_s: float = 0.0
+    midtrain_cap_s: float = 0.0
+    lift_band: tuple[float, float] = (15.2, 19.1)
 
     def __post_init__(self) -> None:
-        if self.time_budget_s <= 0 or self.midtrain_budget_s <= 0:
-            raise ValueError("budgets must be > 0 seconds")
+        if self.time_cap_s < 0 or self.midtrain_cap_s < 0:
+            raise ValueError("time caps must be >= 0 seconds (0: no cap)")
+        if self.lift_band[0] > self.lift_band[1]:
+            raise ValueError(f"lift_band must be [low, high], got {list(self.lift_band)}")
+
+    def midtrain_cap(self) -> float | None:
+        """Seconds mid-training may take, None for no cap."""
+        caps = [c for c in (self.midtrain_cap_s, self.time_cap_s) if c > 0]
+        return min(caps) if caps else None
 
 
 class PipelineConfig(RunConfig):

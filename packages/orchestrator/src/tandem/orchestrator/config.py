@@ -264,6 +264,8 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``torch_threads``: torch's CPU threads in this process while the stage runs (0: torch's
     default; Ray actors have ``ray.torch_threads``). With the local backend the engine and the
     trainer are two threads of this process: on a 2-core machine 1 lets each have a core.
+    ``max_equal_groups``: equal-reward groups in a row after which the run ends early (0: it
+    waits on): a policy that never varies its reward has nothing to learn.
     """
 
     mode: Literal["async", "sync", "pipelined"] = "async"
@@ -280,6 +282,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     anchor_every: int = 20
     weights_store: str = ""
     torch_threads: int = 0
+    max_equal_groups: int = 0
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     curriculum: CurriculumConfig = msgspec.field(default_factory=CurriculumConfig)
 
@@ -292,6 +295,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         _require(self.max_ahead >= 0, "max_ahead", "must be >= 0 (0: max_staleness + 1)")
         _require(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0: torch's default)")
+        _require(self.max_equal_groups >= 0, "max_equal_groups", "must be >= 0 (0: no limit)")
 
 
 class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

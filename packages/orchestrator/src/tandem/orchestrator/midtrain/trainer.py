@@ -106,7 +106,7 @@ class Midtrainer:
         t0 = time.perf_counter()
         tokens = 0
         ema = None
-        step = 0
+        done = 0
         for step in range(c.steps):
             if deadline is not None and time.perf_counter() > deadline:
                 log.info("midtrain.time_budget_reached", step=step)
@@ -120,6 +120,7 @@ class Midtrainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
             self.optimizer.step()
             tokens += int(lengths.sum())
+            done = step + 1
             value = float(loss.detach())
             ema = value if ema is None else 0.9 * ema + 0.1 * value
             if metrics is not None:
@@ -138,7 +139,7 @@ class Midtrainer:
                 )
         self.model.eval()
         return {
-            "steps": step + 1,
+            "steps": done,
             "loss_ema": ema or float("nan"),
             "seconds": time.perf_counter() - t0,
             "tokens": tokens,

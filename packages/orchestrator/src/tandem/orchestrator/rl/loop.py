@@ -223,6 +223,7 @@ class RLRun:
         rollout_t0 = time.perf_counter()
         stop = asyncio.Event()
         stopped_by = self._catch_signals(stop)
+        source.signal.give_up_after(self.rl.max_equal_groups, stop.set)
         try:
             background = await rollouts.start(follow=self.rl.mode == "async")
             own = schedule.start()

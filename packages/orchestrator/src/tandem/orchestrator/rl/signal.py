@@ -8,6 +8,8 @@ hard (or too easy) for the policy; it is reported with what the rewards were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 
 from tandem.orchestrator.wire import Group
@@ -24,6 +26,13 @@ class SignalFilter:
     def __init__(self) -> None:
         self.filtered = 0
         self._run = [0, 0]  # equal-reward groups in a row: [all rewarded, all unrewarded]
+        self._limit = 0
+        self._on_limit: Callable[[], None] | None = None
+
+    def give_up_after(self, groups: int, on_limit: Callable[[], None]) -> None:
+        """Call ``on_limit`` once ``groups`` equal-reward groups came in a row (0: never): a
+        run of fixed length would otherwise wait forever on a policy with nothing to learn."""
+        self._limit, self._on_limit = groups, on_limit
 
     def informative(self, group: Group) -> bool:
         """Whether the group's rewards differ; if not it is counted (and maybe reported)."""
@@ -44,4 +53,7 @@ class SignalFilter:
                 "for others: tasks too hard (or too easy) for this policy, or rl.group_size "
                 "too small",
             )
+        if self._limit and sum(run) == self._limit and self._on_limit is not None:
+            log.warning("rl.no_signal_limit", groups_in_a_row=self._limit)
+            self._on_limit()
         return False
