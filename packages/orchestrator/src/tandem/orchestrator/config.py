@@ -256,17 +256,14 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     and the run depends only on its seeds, not on timing or the number of engines.
     ``max_staleness``: a group produced by policy version v is trained on only while
     trainer_version - v <= max_staleness (the rule: `tandem.orchestrator.rl.staleness`).
-    ``rollout_workers``: groups in
-    flight at once. ``max_ahead``: how many trainer steps rollouts may start ahead
-    (0: max_staleness + 1, the bound that keeps drops rare). ``backend``: where the engines
-    run, ``local`` (one in this process) or ``ray`` (rollout actors, see `RayConfig`).
-    ``curriculum``: which tasks at the cursor are played (`CurriculumConfig`).
+    ``rollout_workers``: groups in flight at once. ``max_ahead``: how many trainer steps
+    rollouts may start ahead (0: max_staleness + 1, the bound that keeps drops rare).
+    ``backend``: where the engines run, ``local`` (one in this process) or ``ray`` (rollout
+    actors, see `RayConfig`). ``curriculum``: which tasks at the cursor are played.
     ``torch_threads``: torch's CPU threads in this process while the stage runs (0: torch's
-    default; Ray actors have ``ray.torch_threads``). With the local backend the engine and the
-    trainer are two threads of this process: on a 2-core machine 1 lets each have a core.
-    ``max_equal_groups``: equal-reward groups in a row after which the run ends early (0: it
-    waits on): a policy that never varies its reward has nothing to learn.
-    """
+    default; Ray actors have ``ray.torch_threads``); with the local backend the engine and the
+    trainer are two threads of this process (on 2 cores, 1 lets each have a core).
+    ``max_equal_groups``: equal-reward groups in a row that end the run (0: it waits on)."""
 
     mode: Literal["async", "sync", "pipelined"] = "async"
     backend: Literal["local", "ray"] = "local"
