@@ -80,6 +80,7 @@ class RLRun:
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=rl.keep_checkpoints)
         self.step = self.version = self.stream = 0
         self.busy_s = self.wait_s = 0.0
+        self.signal_at = 0.0  # when the first stop signal came
 
     def run(self) -> RunSummary:
         """Run (or resume) to ``rl.steps`` steps; returns the run's summary."""
@@ -176,13 +177,14 @@ class RLRun:
         first: list[float] = []
 
         def on_signal(sig: int) -> None:
-            if stop.is_set():
-                if first and time.monotonic() - first[0] < SIGNAL_ECHO_S:
+            if first:  # a signal already asked to stop (``stop`` may also be set otherwise)
+                if time.monotonic() - first[0] < SIGNAL_ECHO_S:
                     return
                 loop.remove_signal_handler(sig)
                 os.kill(os.getpid(), sig)
                 return
             first.append(time.monotonic())
+            self.signal_at = first[0]
             received.append(sig)
             stop.set()
             log.warning(
@@ -296,8 +298,6 @@ class RLRun:
             if stop.is_set() and self.step > (self.checkpoints.latest_step() or 0):
                 self._checkpoint(backend, schedule)
         finally:
-            for sig in self.hooks.stop_signals:
-                asyncio.get_running_loop().remove_signal_handler(sig)
             bar.close()
             await cancel_and_wait(own)
             await schedule.close()
@@ -305,6 +305,13 @@ class RLRun:
             t_end = time.perf_counter()
             await backend.close()
             metrics.close()
+            # the handlers stay while the run closes, and until an echo of the stop signal
+            # (uv forwards Ctrl-C once more) has had its time: it must not find the default
+            # handler (a KeyboardInterrupt in place of a clean stop)
+            if stopped_by:
+                await asyncio.sleep(max(0.0, self.signal_at + SIGNAL_ECHO_S - time.monotonic()))
+            for sig in self.hooks.stop_signals:
+                asyncio.get_running_loop().remove_signal_handler(sig)
         if stopped_by and self.hooks.on_stop is not None:
             self.hooks.on_stop(stopped_by[0], self.step)
         return RunSummary(
