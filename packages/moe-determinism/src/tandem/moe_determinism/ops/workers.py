@@ -134,11 +134,10 @@ def _workers(n: int) -> _Workers:
 SHARED_WORK = 4_000_000
 """Multiply-adds below which the caller computes every tile itself (it only moves who
 computes them). The workers are Python threads: each tile product is a torch call that
-gives up the GIL and takes it back, and with two threads doing that the wait to take it
-back costs more than the second core saves on small products. In `benchmarks/determinism.py`
-with 2 threads (a decode step's products are at most ~35M multiply-adds), batched decode ran
-2.1-2.2x stock torch when products were shared from 4M, 1.7-2.05x when kept on the caller;
-the training step stayed at 1.4-1.7x either way."""
+gives up the GIL and takes it back, so with two threads a second core saves little on a
+decode step's products (at most ~35M multiply-adds in `benchmarks/determinism.py`): with 2
+threads, batched decode ran 2.07-2.24x stock torch whether products were shared from 4M or
+kept on the caller below 64M, the training step 1.46-1.73x (run-to-run noise either way)."""
 
 
 def run_parallel(jobs: list[Callable[[], None]], work: int) -> None:
