@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
+import msgspec
 import pytest
 from rl_helpers import ENGINE, ENV, TINY
 
 from tandem.app.demo_report import CATEGORY_COLUMNS, category_rows
-from tandem.orchestrator import RunConfig, build_model, evaluate_policy
+from tandem.orchestrator import RunConfig, build_model, evaluate_policy, stages
 from tandem.orchestrator.artifacts.report import markdown_table
 from tandem.orchestrator.config import EvalConfig, TaskConfig
 from tandem.orchestrator.eval.passk import CategoryScore, EvalResult
 from tandem.orchestrator.inference.tokenizer import ByteTokenizer
 from tandem.orchestrator.rollout.tasks import TaskSource
+from tandem.orchestrator.wire import Sample
 
 
 def test_evaluation_breaks_pass_at_1_down_by_the_tasks_categories() -> None:
@@ -57,3 +60,43 @@ def test_demo_category_table_gives_the_change_per_category() -> None:
     ]
     assert lines[1].count("|") == len(CATEGORY_COLUMNS) + 1
     assert lines[2] == "| gcd/off_by_one        | 3 | 0.25 | 0.75 | +50.0 |"
+
+
+def test_engine_replicas_play_every_episode_as_one_engine_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two engines (threads, one torch thread each) share the tasks; every episode still
+    samples the same tokens with the same log-probs, so the evaluation is the same."""
+    played: list[list[list[Sample]]] = []
+    real = stages.evaluate
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        result, per_task = await real(*args, **kwargs)
+        played.append(per_task)
+        return result, per_task
+
+    monkeypatch.setattr(stages, "evaluate", recording)
+    tasks = TaskConfig(functions=["gcd", "digit_sum"], functions_per_repo=1, eval_seed=78)
+    model = build_model(TINY, ByteTokenizer())
+    engine = msgspec.structs.replace(ENGINE, max_slots=3)  # fewer slots than episodes
+    results = [
+        evaluate_policy(
+            model,
+            RunConfig(
+                model=TINY,
+                tasks=tasks,
+                env=ENV,
+                engine=engine,
+                eval=EvalConfig(tasks=5, samples=2, engines=replicas),
+            ),
+        )
+        for replicas in (1, 2)
+    ]
+    one, two = (
+        [[(s.task_id, s.tokens, s.logprobs, s.turns) for s in samples] for samples in per_task]
+        for per_task in played
+    )
+    assert len(one) == 5 and all(len(samples) == 2 for samples in one)
+    assert one == two
+    assert len({tuple(tokens) for task in one for _, tokens, _, _ in task}) > 1
+    assert results[0] == results[1]

@@ -3,12 +3,10 @@
 One section per concept. Where a library already has the config of its concept, the run
 config nests it as it is: `MoEConfig` (``[model]``), `EnvConfig` with its `SandboxConfig`
 (``[env]``, ``[env.sandbox]``, ``[env.sandbox.limits]``) and `GRPOConfig`
-(``[trainer.loss]``). The sections here hold what is the orchestrator's own. A deliberate
-difference from a library default (the demo's small model, its short episodes) is a value in
-``configs/*.toml``, never a second struct.
-
-Every section rejects unknown fields and checks its values in ``__post_init__``, so a bad
-config fails at start with the offending key, long before a model is built.
+(``[trainer.loss]``); the sections here hold what is the orchestrator's own. A difference
+from a library default (the demo's small model) is a value in ``configs/*.toml``, never a
+second struct. Every section rejects unknown fields and checks its values in
+``__post_init__``: a bad config fails at start with the offending key.
 """
 
 from __future__ import annotations
@@ -58,12 +56,8 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eval_seed: int = 1000
     kinds: list[str] = msgspec.field(
         default_factory=lambda: [
-            "wrong_operator",
-            "off_by_one",
-            "wrong_constant",
-            "swapped_arguments",
-            "wrong_variable",
-            "wrong_return",
+            *("wrong_operator", "off_by_one", "wrong_constant"),
+            *("swapped_arguments", "wrong_variable", "wrong_return"),
         ]
     )
     functions_per_repo: int = 1
@@ -334,15 +328,18 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Held-out evaluation: ``tasks`` tasks of ``tasks.eval_seed``, ``samples`` each, pass@k
-    for each k in ``ks``."""
+    for each k in ``ks``; ``engines`` policy replicas (threads of one torch thread each; 0:
+    one per core) share the tasks, which changes the wall time, never the result."""
 
     tasks: int = 32
     samples: int = 1
     ks: list[int] = msgspec.field(default_factory=lambda: [1])
+    engines: int = 1
 
     def __post_init__(self) -> None:
         _require(self.tasks >= 1, "tasks", "must be >= 1")
         _require(self.samples >= 1, "samples", "must be >= 1")
+        _require(self.engines >= 0, "engines", "must be >= 0 (0: one per core)")
         _require(
             bool(self.ks) and min(self.ks) >= 1 and max(self.ks) <= self.samples,
             "ks",

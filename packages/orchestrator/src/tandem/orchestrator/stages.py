@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from tandem.orchestrator.rl.loop import RLRun
 from tandem.orchestrator.rl.summary import RunSummary
 from tandem.orchestrator.rollout.curriculum import CuratedCursor
 from tandem.orchestrator.rollout.tasks import TaskSource
+from tandem.orchestrator.runtime.threads import torch_threads
 
 log = structlog.get_logger()
 
@@ -129,16 +131,20 @@ def evaluate_policy(
     engine_cfg = config.engine
     chat = chat_format_for(model.config.path)
     held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(0, n_tasks)
-    engine = InferenceEngine(
-        clone_model(model), engine_cfg, stop_id=chat.end_id, vocab=chat.tok.vocab_size
-    )
+    replicas = config.eval.engines or os.cpu_count() or 1
+    engines = [
+        InferenceEngine(
+            clone_model(model), engine_cfg, stop_id=chat.end_id, vocab=chat.tok.vocab_size
+        )
+        for _ in range(replicas)
+    ]
 
     async def go() -> EvalResult:
-        server = EngineServer(engine)
-        serve = asyncio.create_task(server.serve())
+        servers = [EngineServer(engine) for engine in engines]
+        serving = [asyncio.create_task(server.serve()) for server in servers]
         try:
             result, _ = await evaluate(
-                server,
+                servers,
                 chat,
                 held_out,
                 config.env,
@@ -150,12 +156,14 @@ def evaluate_policy(
                 stop_malformed=engine_cfg.stop_malformed,
             )
         finally:
-            server.close()
-            await asyncio.gather(serve, return_exceptions=True)
+            for server in servers:
+                server.close()
+            await asyncio.gather(*serving, return_exceptions=True)
         return result
 
     t0 = time.perf_counter()
-    with batch_invariant(engine_cfg.deterministic):
+    # several engine threads: one torch thread each, so they run side by side
+    with batch_invariant(engine_cfg.deterministic), torch_threads(1 if replicas > 1 else 0):
         result = asyncio.run(go())
     log.info(
         "eval.done",

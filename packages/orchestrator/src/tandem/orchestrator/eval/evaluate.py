@@ -23,7 +23,7 @@ log = structlog.get_logger()
 
 
 async def evaluate(
-    engine: Engine,
+    engine: Engine | Sequence[Engine],
     chat: AnyChatFormat,
     tasks: Sequence[Task],
     env_config: EnvConfig,
@@ -35,15 +35,21 @@ async def evaluate(
     ks: Sequence[int] = (1,),
     stop_malformed: bool = True,
 ) -> tuple[EvalResult, list[list[Sample]]]:
-    """Play every task ``samples_per_task`` times (seeded) and score pass@k."""
+    """Play every task ``samples_per_task`` times (seeded) and score pass@k.
 
+    With several engines (replicas of one policy), task i is played on engine ``i % n``:
+    its samples share their prompt in one engine's prefix cache. Each episode's sampling
+    depends only on its seed, so the result is the same with one engine or several."""
+    engines = [engine] if not isinstance(engine, Sequence) else list(engine)
+    if not engines:
+        raise ValueError("evaluate: needs at least one engine")
     total = len(tasks) * samples_per_task
     done = 0
 
     async def one(i: int, j: int) -> Sample:
         nonlocal done
         sample = await run_token_episode(
-            engine,
+            engines[i % len(engines)],
             chat,
             tasks[i],
             env_config,
