@@ -56,10 +56,10 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eval_seed: int = 1000
     kinds: list[str] = msgspec.field(
         default_factory=lambda: [
-            *("wrong_operator", "off_by_one", "wrong_constant"),
-            *("swapped_arguments", "wrong_variable", "wrong_return"),
+            "wrong_operator", "off_by_one", "wrong_constant",
+            "swapped_arguments", "wrong_variable", "wrong_return",
         ]
-    )
+    )  # fmt: skip
     functions_per_repo: int = 1
     hidden_per_function: int = 6
     functions: list[str] = msgspec.field(default_factory=list)
