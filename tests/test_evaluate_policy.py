@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections import Counter
-from typing import Any
+from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 from rl_helpers import ENGINE, ENV, TINY
 
 from tandem.app.demo_report import CATEGORY_COLUMNS, category_rows
-from tandem.orchestrator import RunConfig, build_model, evaluate_policy, stages
+from tandem.orchestrator import RunConfig, build_model, evaluate_policy
 from tandem.orchestrator.artifacts.report import markdown_table
 from tandem.orchestrator.config import EvalConfig, TaskConfig
-from tandem.orchestrator.eval.passk import CategoryScore, EvalResult
+from tandem.orchestrator.eval.passk import CategoryScore, EvalResult, summarize
+from tandem.orchestrator.eval.replicas import ReplicaFailed, _check_alive, play_on_replicas
 from tandem.orchestrator.inference.tokenizer import ByteTokenizer
-from tandem.orchestrator.rollout.tasks import TaskSource
-from tandem.orchestrator.wire import Sample
+from tandem.orchestrator.rollout.tasks import TaskSource, task_category
 
 
 def test_evaluation_breaks_pass_at_1_down_by_the_tasks_categories() -> None:
@@ -62,33 +65,26 @@ def test_demo_category_table_gives_the_change_per_category() -> None:
     assert lines[2] == "| gcd/off_by_one        | 3 | 0.25 | 0.75 | +50.0 |"
 
 
-def test_engine_replicas_play_every_episode_as_one_engine_does(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Two engines (threads, one torch thread each) share the tasks; every episode still
-    samples the same tokens with the same log-probs, so the evaluation is the same."""
-    played: list[list[list[Sample]]] = []
-    real = stages.evaluate
-
-    async def recording(*args: Any, **kwargs: Any) -> Any:
-        result, per_task = await real(*args, **kwargs)
-        played.append(per_task)
-        return result, per_task
-
-    monkeypatch.setattr(stages, "evaluate", recording)
+def test_engine_replicas_play_every_episode_as_one_engine_does() -> None:
+    """Two replica processes (one torch thread each) share the tasks; every episode still
+    samples the same tokens with the same log-probs as on one engine in this process (two
+    torch threads), so the evaluation is the same."""
     tasks = TaskConfig(functions=["gcd", "digit_sum"], functions_per_repo=1, eval_seed=78)
+    held_out = TaskSource(tasks, tasks.eval_seed).take(0, 5)
     model = build_model(TINY, ByteTokenizer())
     engine = msgspec.structs.replace(ENGINE, max_slots=3)  # fewer slots than episodes
-    results = [
-        evaluate_policy(
+    config = RunConfig(
+        model=TINY, tasks=tasks, env=ENV, engine=engine, eval=EvalConfig(tasks=5, samples=2)
+    )
+    finished = []
+    played = [
+        play_on_replicas(
             model,
-            RunConfig(
-                model=TINY,
-                tasks=tasks,
-                env=ENV,
-                engine=engine,
-                eval=EvalConfig(tasks=5, samples=2, engines=replicas),
-            ),
+            config,
+            held_out,
+            samples=2,
+            replicas=replicas,
+            on_sample=functools.partial(finished.append, replicas),
         )
         for replicas in (1, 2)
     ]
@@ -97,6 +93,37 @@ def test_engine_replicas_play_every_episode_as_one_engine_does(
         for per_task in played
     )
     assert len(one) == 5 and all(len(samples) == 2 for samples in one)
+    assert [task[0][0] for task in one] == [t.id for t in held_out]
     assert one == two
     assert len({tuple(tokens) for task in one for _, tokens, _, _ in task}) > 1
-    assert results[0] == results[1]
+    assert finished.count(1) == finished.count(2) == 10
+    on_two = evaluate_policy(
+        model, msgspec.structs.replace(config, eval=EvalConfig(tasks=5, samples=2, engines=2))
+    )
+    assert on_two == summarize(played[0], (1,), [task_category(t) for t in held_out])
+
+
+def test_a_failing_replica_raises_its_traceback(tmp_path: Path) -> None:
+    """A replica that raises stops the evaluation with the replica's own traceback."""
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    model = build_model(copy.copy(TINY), ByteTokenizer())
+    model.config.path = str(tmp_path)  # the replica reads its tokenizer from here
+    tasks = TaskConfig(functions=["gcd"], functions_per_repo=1, eval_seed=79)
+    config = RunConfig(model=TINY, tasks=tasks, env=ENV, engine=ENGINE)
+    held_out = TaskSource(tasks, tasks.eval_seed).take(0, 2)
+    with pytest.raises(ReplicaFailed, match=r"(?s)evaluation replica \d failed:.*Traceback"):
+        play_on_replicas(model, config, held_out, samples=1, replicas=2)
+
+
+def test_a_replica_gone_without_its_samples_is_an_error() -> None:
+    """Killed: an error at once; exited cleanly without sending: after one more quiet poll
+    (what it sent before exiting would have arrived by then)."""
+    running, killed, exited = (SimpleNamespace(exitcode=c) for c in (None, -9, 0))
+    gone: set[int] = set()
+    _check_alive([running, exited], {}, gone)  # type: ignore[list-item]
+    assert gone == {1}
+    with pytest.raises(ReplicaFailed, match="replica 1 exited without sending"):
+        _check_alive([running, exited], {}, gone)  # type: ignore[list-item]
+    _check_alive([running, exited], {1: []}, set())  # type: ignore[list-item]
+    with pytest.raises(ReplicaFailed, match="replica 0 exited with code -9"):
+        _check_alive([killed], {}, set())  # type: ignore[list-item]

@@ -328,8 +328,8 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Held-out evaluation: ``tasks`` tasks of ``tasks.eval_seed``, ``samples`` each, pass@k
-    for each k in ``ks``; ``engines`` policy replicas (threads of one torch thread each; 0:
-    one per core) share the tasks, which changes the wall time, never the result."""
+    for each k in ``ks``; ``engines`` policy replicas (worker processes of one torch thread
+    each; 0: one per core) share the tasks, which changes the wall time, never the result."""
 
     tasks: int = 32
     samples: int = 1

@@ -8,7 +8,6 @@ anyone with a config.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import time
@@ -19,25 +18,23 @@ from typing import Any
 import msgspec
 import structlog
 
-from tandem.moe_determinism import MoETransformer, batch_invariant
+from tandem.moe_determinism import MoETransformer
 from tandem.orchestrator.artifacts.metrics import MetricsLog
 from tandem.orchestrator.backends import build_backend
 from tandem.orchestrator.config import ConfigValueError, RunConfig
-from tandem.orchestrator.eval.evaluate import evaluate
-from tandem.orchestrator.eval.passk import EvalResult
-from tandem.orchestrator.inference.embedded.engine import InferenceEngine
-from tandem.orchestrator.inference.embedded.server import EngineServer
+from tandem.orchestrator.eval.evaluate import progress_log
+from tandem.orchestrator.eval.passk import EvalResult, summarize
+from tandem.orchestrator.eval.replicas import play_on_replicas
 from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.midtrain.corpus import code_windows
 from tandem.orchestrator.midtrain.trainer import Midtrainer, eval_loss
 from tandem.orchestrator.midtrain.transcripts import oracle_transcripts
-from tandem.orchestrator.policy import build_model, clone_model, save_policy
+from tandem.orchestrator.policy import build_model, save_policy
 from tandem.orchestrator.rl.hooks import RunHooks
 from tandem.orchestrator.rl.loop import RLRun
 from tandem.orchestrator.rl.summary import RunSummary
 from tandem.orchestrator.rollout.curriculum import CuratedCursor
-from tandem.orchestrator.rollout.tasks import TaskSource
-from tandem.orchestrator.runtime.threads import torch_threads
+from tandem.orchestrator.rollout.tasks import TaskSource, task_category
 
 log = structlog.get_logger()
 
@@ -125,46 +122,23 @@ def evaluate_policy(
     samples: int | None = None,
 ) -> EvalResult:
     """pass@k (``eval.ks``) of ``model`` on ``eval.tasks`` held-out tasks
-    (``tasks.eval_seed``), ``eval.samples`` each, played by the embedded engine."""
+    (``tasks.eval_seed``), ``eval.samples`` each, played by ``eval.engines`` embedded
+    engines (worker processes when more than one; 0: one per core)."""
     n_tasks = n_tasks or config.eval.tasks
     samples = samples or config.eval.samples
-    engine_cfg = config.engine
-    chat = chat_format_for(model.config.path)
     held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(0, n_tasks)
     replicas = config.eval.engines or os.cpu_count() or 1
-    engines = [
-        InferenceEngine(
-            clone_model(model), engine_cfg, stop_id=chat.end_id, vocab=chat.tok.vocab_size
-        )
-        for _ in range(replicas)
-    ]
-
-    async def go() -> EvalResult:
-        servers = [EngineServer(engine) for engine in engines]
-        serving = [asyncio.create_task(server.serve()) for server in servers]
-        try:
-            result, _ = await evaluate(
-                servers,
-                chat,
-                held_out,
-                config.env,
-                samples_per_task=samples,
-                max_new_tokens=engine_cfg.max_new_tokens,
-                max_observation_chars=config.episode.max_observation_chars,
-                seed=config.run.seed,
-                ks=tuple(k for k in config.eval.ks if k <= samples),
-                stop_malformed=engine_cfg.stop_malformed,
-            )
-        finally:
-            for server in servers:
-                server.close()
-            await asyncio.gather(*serving, return_exceptions=True)
-        return result
-
     t0 = time.perf_counter()
-    # several engine threads: one torch thread each, so they run side by side
-    with batch_invariant(engine_cfg.deterministic), torch_threads(1 if replicas > 1 else 0):
-        result = asyncio.run(go())
+    per_task = play_on_replicas(
+        model,
+        config,
+        held_out,
+        samples=samples,
+        replicas=replicas,
+        on_sample=progress_log(n_tasks * samples),
+    )
+    ks = tuple(k for k in config.eval.ks if k <= samples)
+    result = summarize(per_task, ks, [task_category(t) for t in held_out])
     log.info(
         "eval.done",
         tasks=result.tasks,

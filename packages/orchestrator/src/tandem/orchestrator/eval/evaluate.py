@@ -7,7 +7,7 @@ every policy, so two policies' results pair task by task) and scored by `passk.s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -20,6 +20,71 @@ from tandem.orchestrator.rollout.tasks import task_category
 from tandem.orchestrator.wire import Sample
 
 log = structlog.get_logger()
+
+
+def progress_log(total: int) -> Callable[[], None]:
+    """A callback for each finished episode that logs ``eval.progress`` eight times in all."""
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if done % max(1, total // 8) == 0 or done == total:
+            log.info("eval.progress", done=done, total=total)
+
+    return tick
+
+
+async def play_tasks(
+    engine: Engine | Sequence[Engine],
+    chat: AnyChatFormat,
+    tasks: Sequence[Task],
+    env_config: EnvConfig,
+    *,
+    samples_per_task: int,
+    max_new_tokens: int,
+    max_observation_chars: int,
+    seed: int,
+    task_ids: Sequence[int] | None = None,
+    stop_malformed: bool = True,
+    on_sample: Callable[[], None] | None = None,
+) -> list[list[Sample]]:
+    """Play every task ``samples_per_task`` times, each episode seeded by its task's id in
+    the whole task set (``task_ids``, default the position in ``tasks``) and its sample
+    number; returns the samples task by task.
+
+    With several engines (replicas of one policy), task i is played on engine ``i % n``:
+    its samples share their prompt in one engine's prefix cache. Each episode's sampling
+    depends only on its seed, so the episodes are the same with one engine or several, and
+    the same when the tasks are split among processes that each play some of them."""
+    engines = [engine] if not isinstance(engine, Sequence) else list(engine)
+    if not engines:
+        raise ValueError("play_tasks: needs at least one engine")
+    ids = list(range(len(tasks))) if task_ids is None else list(task_ids)
+    if len(ids) != len(tasks):
+        raise ValueError(f"play_tasks: {len(ids)} task ids for {len(tasks)} tasks")
+
+    async def one(i: int, j: int) -> Sample:
+        sample = await run_token_episode(
+            engines[i % len(engines)],
+            chat,
+            tasks[i],
+            env_config,
+            max_new_tokens=max_new_tokens,
+            max_observation_chars=max_observation_chars,
+            generator=episode_generator(seed, 7_777_777, ids[i], j),
+            stop_malformed=stop_malformed,
+        )
+        if on_sample is not None:
+            on_sample()
+        return sample
+
+    flat = await asyncio.gather(
+        *(one(i, j) for i in range(len(tasks)) for j in range(samples_per_task))
+    )
+    return [
+        list(flat[i * samples_per_task : (i + 1) * samples_per_task]) for i in range(len(tasks))
+    ]
 
 
 async def evaluate(
@@ -35,38 +100,17 @@ async def evaluate(
     ks: Sequence[int] = (1,),
     stop_malformed: bool = True,
 ) -> tuple[EvalResult, list[list[Sample]]]:
-    """Play every task ``samples_per_task`` times (seeded) and score pass@k.
-
-    With several engines (replicas of one policy), task i is played on engine ``i % n``:
-    its samples share their prompt in one engine's prefix cache. Each episode's sampling
-    depends only on its seed, so the result is the same with one engine or several."""
-    engines = [engine] if not isinstance(engine, Sequence) else list(engine)
-    if not engines:
-        raise ValueError("evaluate: needs at least one engine")
-    total = len(tasks) * samples_per_task
-    done = 0
-
-    async def one(i: int, j: int) -> Sample:
-        nonlocal done
-        sample = await run_token_episode(
-            engines[i % len(engines)],
-            chat,
-            tasks[i],
-            env_config,
-            max_new_tokens=max_new_tokens,
-            max_observation_chars=max_observation_chars,
-            generator=episode_generator(seed, 7_777_777, i, j),
-            stop_malformed=stop_malformed,
-        )
-        done += 1
-        if done % max(1, total // 8) == 0 or done == total:
-            log.info("eval.progress", done=done, total=total)
-        return sample
-
-    flat = await asyncio.gather(
-        *(one(i, j) for i in range(len(tasks)) for j in range(samples_per_task))
+    """Play every task ``samples_per_task`` times (seeded, `play_tasks`) and score pass@k."""
+    per_task = await play_tasks(
+        engine,
+        chat,
+        tasks,
+        env_config,
+        samples_per_task=samples_per_task,
+        max_new_tokens=max_new_tokens,
+        max_observation_chars=max_observation_chars,
+        seed=seed,
+        stop_malformed=stop_malformed,
+        on_sample=progress_log(len(tasks) * samples_per_task),
     )
-    per_task = [
-        list(flat[i * samples_per_task : (i + 1) * samples_per_task]) for i in range(len(tasks))
-    ]
     return summarize(per_task, ks, [task_category(t) for t in tasks]), per_task

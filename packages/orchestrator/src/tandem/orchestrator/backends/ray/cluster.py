@@ -9,7 +9,6 @@ and checked at start.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -17,6 +16,7 @@ import structlog
 from tandem.orchestrator.backends.ray.auth import unreachable, use_token_if_available
 from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE
 from tandem.orchestrator.config import ConfigValueError, RayConfig, RLConfig
+from tandem.orchestrator.runtime.worker_logging import driver_log_level, log_from
 
 log = structlog.get_logger()
 
@@ -66,22 +66,6 @@ def no_uv_hook() -> None:
     the repository), or with this one on a cluster started here: Ray's `uv run` hook would
     ship this directory and re-create the environment for each worker."""
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
-
-def driver_log_level() -> int:
-    """The lowest level this process logs at (0 when its structlog does not filter)."""
-    bound = structlog.get_logger().bind()
-    return int(getattr(bound, "get_effective_level", lambda: 0)())
-
-
-def log_from(level: int) -> Callable[[], None]:
-    """A Ray worker setup hook that drops the events below ``level``: a worker's structlog
-    would otherwise print every info line of every actor to the driver's console."""
-
-    def setup_worker_logging() -> None:
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
-
-    return setup_worker_logging
 
 
 def check_cluster_fits(rl: RLConfig, trainer_processes: int, *, started_here: bool) -> list[str]:
