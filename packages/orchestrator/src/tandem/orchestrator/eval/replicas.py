@@ -14,6 +14,7 @@ replicas needs the ``if __name__ == "__main__":`` guard, as any multiprocessing 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import pickle
 import queue
@@ -144,7 +145,7 @@ def play_on_replicas(
     policy = pickle.dumps(model)
     ctx = multiprocessing.get_context("spawn")
     out: Queue[tuple[Any, ...]] = ctx.Queue()
-    level = driver_log_level()
+    level = max(driver_log_level(), logging.WARNING)  # progress comes from this process
     procs = [
         ctx.Process(
             target=_replica_main,
