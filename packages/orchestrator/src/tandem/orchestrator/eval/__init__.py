@@ -1,3 +1,3 @@
 """Evaluation: pass@k on held-out tasks played by the engine in the real environment
-(`evaluate`), scored with the unbiased estimator, per task category and paired between two
-policies (`passk`)."""
+(`evaluate.play_tasks`, shared among engine processes by `replicas`), scored with the
+unbiased estimator, per task category and paired between two policies (`passk`)."""

@@ -12,11 +12,9 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from tandem.agent_env import EnvConfig, Task
-from tandem.orchestrator.eval.passk import EvalResult, summarize
 from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.protocols import Engine
 from tandem.orchestrator.rollout.episode import episode_generator, run_token_episode
-from tandem.orchestrator.rollout.tasks import task_category
 from tandem.orchestrator.wire import Sample
 
 log = structlog.get_logger()
@@ -36,7 +34,7 @@ def progress_log(total: int) -> Callable[[], None]:
 
 
 async def play_tasks(
-    engine: Engine | Sequence[Engine],
+    engine: Engine,
     chat: AnyChatFormat,
     tasks: Sequence[Task],
     env_config: EnvConfig,
@@ -53,20 +51,15 @@ async def play_tasks(
     the whole task set (``task_ids``, default the position in ``tasks``) and its sample
     number; returns the samples task by task.
 
-    With several engines (replicas of one policy), task i is played on engine ``i % n``:
-    its samples share their prompt in one engine's prefix cache. Each episode's sampling
-    depends only on its seed, so the episodes are the same with one engine or several, and
-    the same when the tasks are split among processes that each play some of them."""
-    engines = [engine] if not isinstance(engine, Sequence) else list(engine)
-    if not engines:
-        raise ValueError("play_tasks: needs at least one engine")
+    Each episode's sampling depends only on its seed, so the episodes are the same when the
+    tasks are split among engines that each play some of them (`replicas`)."""
     ids = list(range(len(tasks))) if task_ids is None else list(task_ids)
     if len(ids) != len(tasks):
         raise ValueError(f"play_tasks: {len(ids)} task ids for {len(tasks)} tasks")
 
     async def one(i: int, j: int) -> Sample:
         sample = await run_token_episode(
-            engines[i % len(engines)],
+            engine,
             chat,
             tasks[i],
             env_config,
@@ -85,32 +78,3 @@ async def play_tasks(
     return [
         list(flat[i * samples_per_task : (i + 1) * samples_per_task]) for i in range(len(tasks))
     ]
-
-
-async def evaluate(
-    engine: Engine | Sequence[Engine],
-    chat: AnyChatFormat,
-    tasks: Sequence[Task],
-    env_config: EnvConfig,
-    *,
-    samples_per_task: int,
-    max_new_tokens: int,
-    max_observation_chars: int,
-    seed: int,
-    ks: Sequence[int] = (1,),
-    stop_malformed: bool = True,
-) -> tuple[EvalResult, list[list[Sample]]]:
-    """Play every task ``samples_per_task`` times (seeded, `play_tasks`) and score pass@k."""
-    per_task = await play_tasks(
-        engine,
-        chat,
-        tasks,
-        env_config,
-        samples_per_task=samples_per_task,
-        max_new_tokens=max_new_tokens,
-        max_observation_chars=max_observation_chars,
-        seed=seed,
-        stop_malformed=stop_malformed,
-        on_sample=progress_log(len(tasks) * samples_per_task),
-    )
-    return summarize(per_task, ks, [task_category(t) for t in tasks]), per_task

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from typing import Any
 
-import structlog
 import torch
 
 from tandem.agent_env import Task
@@ -37,8 +36,6 @@ from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.runtime.worker_logging import driver_log_level, log_from
 from tandem.orchestrator.wire import Sample
-
-log = structlog.get_logger()
 
 POLL_S = 1.0
 """How often the parent checks that its replicas are alive while it waits for them."""
@@ -57,13 +54,11 @@ def play_here(
     samples: int,
     on_sample: Callable[[], None] | None = None,
 ) -> list[list[Sample]]:
-    """Play ``tasks`` (ids ``task_ids`` in the held-out set) on one engine in this process,
-    holding a copy of ``model`` (the caller may train ``model`` afterwards)."""
+    """Play ``tasks`` (ids ``task_ids`` in the held-out set) on one engine in this process
+    that takes ``model`` over (pass a copy of a model that will be trained afterwards)."""
     engine_cfg = config.engine
     chat = chat_format_for(model.config.path)
-    engine = InferenceEngine(
-        clone_model(model), engine_cfg, stop_id=chat.end_id, vocab=chat.tok.vocab_size
-    )
+    engine = InferenceEngine(model, engine_cfg, stop_id=chat.end_id, vocab=chat.tok.vocab_size)
 
     async def go() -> list[list[Sample]]:
         server = EngineServer(engine)
@@ -140,7 +135,12 @@ def play_on_replicas(
     replicas = max(1, min(replicas, len(tasks)))
     if replicas == 1:
         return play_here(
-            model, config, tasks, range(len(tasks)), samples=samples, on_sample=on_sample
+            clone_model(model),
+            config,
+            tasks,
+            range(len(tasks)),
+            samples=samples,
+            on_sample=on_sample,
         )
     policy = pickle.dumps(model)
     ctx = multiprocessing.get_context("spawn")
@@ -188,7 +188,7 @@ def play_on_replicas(
                 raise ReplicaFailed(f"evaluation replica {r} failed:\n{message[2]}")
     finally:
         for p in procs:
-            if p.is_alive() and p.pid is not None and len(shares) < replicas:
+            if p.is_alive() and len(shares) < replicas:
                 p.terminate()
             p.join(timeout=10)
         out.close()
