@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -127,3 +133,86 @@ def test_a_replica_gone_without_its_samples_is_an_error() -> None:
     _check_alive([running, exited], {1: []}, set())  # type: ignore[list-item]
     with pytest.raises(ReplicaFailed, match="replica 0 exited with code -9"):
         _check_alive([killed], {}, set())  # type: ignore[list-item]
+
+
+_KILLED_PARENT = """
+import sys
+sys.path.insert(0, {tests!r})
+from rl_helpers import ENGINE, ENV, TINY
+from tandem.orchestrator import RunConfig, build_model
+from tandem.orchestrator.config import TaskConfig
+from tandem.orchestrator.eval.replicas import play_on_replicas
+from tandem.orchestrator.inference.tokenizer import ByteTokenizer
+from tandem.orchestrator.rollout.tasks import TaskSource
+
+if __name__ == "__main__":
+    tasks = TaskConfig(functions=["gcd"], functions_per_repo=1, eval_seed=80)
+    config = RunConfig(model=TINY, tasks=tasks, env=ENV, engine=ENGINE)
+    held_out = TaskSource(tasks, tasks.eval_seed).take(0, 400)
+    play_on_replicas(build_model(TINY, ByteTokenizer()), config, held_out, samples=1, replicas=2)
+"""
+
+
+def _processes() -> dict[tuple[int, int], int]:
+    """Every running process (not a zombie), as (pid, start time), and its parent's id,
+    from /proc: the start time tells a process from a later one given the same pid."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            if fields[0] != "Z":
+                out[(int(entry.name), int(fields[19]))] = int(fields[1])
+    return out
+
+
+def _descendants(pid: int) -> set[tuple[int, int]]:
+    procs = _processes()
+    found: set[tuple[int, int]] = set()
+    frontier = {pid}
+    while frontier:
+        new = {p for p, parent in procs.items() if parent in frontier} - found
+        found |= new
+        frontier = {p[0] for p in new}
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree in /proc")
+def test_replicas_end_when_their_parent_is_killed(tmp_path: Path) -> None:
+    """A killed evaluation leaves no replica (nor any sandbox a replica started) running."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(_KILLED_PARENT.format(tests=str(Path(__file__).parent)))
+    with (tmp_path / "log").open("wb") as log:
+        parent = subprocess.Popen([sys.executable, str(script)], stdout=log, stderr=log)
+    replicas: set[tuple[int, int]] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(replicas) < 2 and parent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            replicas = {p for p in _descendants(parent.pid) if b"spawn_main" in _cmdline(p[0])}
+        assert len(replicas) == 2, (tmp_path / "log").read_text()[-3000:]
+        while not all(_descendants(r[0]) for r in replicas) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until every replica has started its sandbox
+        tree = _descendants(parent.pid)
+        assert len(tree) > len(replicas), "the replicas started no sandbox"
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while tree & _processes().keys() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = tree & _processes().keys()
+        assert not left, f"still running after their parent was killed: {left}"
+    finally:
+        parent.kill()
+        for pid, _ in replicas & _processes().keys():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

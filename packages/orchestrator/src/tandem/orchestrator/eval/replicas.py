@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import traceback
@@ -35,6 +36,7 @@ from tandem.orchestrator.inference.embedded.server import EngineServer
 from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.runtime.allocator import reuse_freed_memory
+from tandem.orchestrator.runtime.lifetime import end_with_parent
 from tandem.orchestrator.runtime.worker_logging import driver_log_level, log_from
 from tandem.orchestrator.wire import Sample
 
@@ -90,9 +92,10 @@ def play_here(
 class _Share:
     """What one replica process is given: the policy (pickled once by the parent, so
     torch's multiprocessing does not move the caller's weights into shared memory), the
-    config and its tasks."""
+    config and its tasks, and the parent's process id (the replica ends with it)."""
 
     replica: int
+    parent: int
     policy: bytes
     config: RunConfig
     tasks: list[Task]
@@ -106,9 +109,10 @@ def _replica_main(share: _Share, out: Queue[tuple[Any, ...]]) -> None:
     (the parent logs progress) and then its samples, or its traceback. Its allocator keeps
     freed blocks mapped, as the CLI's own process does: a prefill's temporaries are mapped
     afresh otherwise, and faulting them in cost 6% of their CPU."""
+    end_with_parent(share.parent)
     torch.set_num_threads(1)
-    reuse_freed_memory()
     log_from(share.log_level)()
+    reuse_freed_memory()
     try:
         model = pickle.loads(share.policy)
         per_task = play_here(
@@ -135,7 +139,8 @@ def play_on_replicas(
 ) -> list[list[Sample]]:
     """Play ``tasks`` (the whole held-out set, ids 0..) on ``replicas`` worker processes,
     task i on replica ``i % replicas``; returns the samples task by task. A replica that
-    fails stops the others and raises `ReplicaFailed` with its traceback."""
+    fails stops the others and raises `ReplicaFailed` with its traceback; the replicas end
+    with this process when it is killed (`end_with_parent`)."""
     replicas = max(1, min(replicas, len(tasks)))
     if replicas == 1:
         return play_here(
@@ -156,6 +161,7 @@ def play_on_replicas(
             args=(
                 _Share(
                     replica=r,
+                    parent=os.getpid(),
                     policy=policy,
                     config=config,
                     tasks=list(tasks[r::replicas]),
