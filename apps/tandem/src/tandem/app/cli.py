@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_config(config), end="")
         return 0
     configure_logging(config.logging.level, config.logging.format)
-    from tandem.orchestrator import ConfigValueError, reuse_freed_memory
+    from tandem.orchestrator import ConfigValueError, VllmError, reuse_freed_memory
 
     reuse_freed_memory()  # the trainer's large temporaries stay mapped between micro-batches
 
@@ -138,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigValueError as e:  # a combination of values found unworkable once running
         print(f"tandem {args.command}: {e}", file=sys.stderr)
         return 2
+    except VllmError as e:  # vLLM's environment or server could not be set up
+        print(f"tandem {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

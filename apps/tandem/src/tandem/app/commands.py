@@ -130,8 +130,15 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     import torch
 
     from tandem.app.demo_report import category_rows, demo_table, print_table, write_demo_report
-    from tandem.orchestrator import evaluate_policy, midtrain_policy, reinforce, save_policy
+    from tandem.orchestrator import (
+        check_rl_engine,
+        evaluate_policy,
+        midtrain_policy,
+        reinforce,
+        save_policy,
+    )
 
+    check_rl_engine(config)  # before minutes of mid-training
     t_start = time.perf_counter()
     run_dir = config.run_dir
     for stale in ("rl", "midtrained", "rl_trained"):

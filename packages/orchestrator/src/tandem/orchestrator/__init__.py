@@ -35,12 +35,18 @@ if TYPE_CHECKING:
     from tandem.orchestrator.backends.ray.rollouts import pool_name
     from tandem.orchestrator.config import ConfigValueError, RunConfig, RunSettings
     from tandem.orchestrator.eval.passk import EvalResult, paired_difference
+    from tandem.orchestrator.inference.vllm.errors import VllmError
     from tandem.orchestrator.policy import PolicyError, build_model, load_policy, save_policy
     from tandem.orchestrator.rl.hooks import RunHooks
     from tandem.orchestrator.rl.loop import RLRun
     from tandem.orchestrator.rl.summary import RunSummary
     from tandem.orchestrator.runtime.allocator import reuse_freed_memory
-    from tandem.orchestrator.stages import evaluate_policy, midtrain_policy, reinforce
+    from tandem.orchestrator.stages import (
+        check_rl_engine,
+        evaluate_policy,
+        midtrain_policy,
+        reinforce,
+    )
 
 __version__ = _version("tandem-orchestrator")
 
@@ -55,6 +61,7 @@ _HOME = {
     "RunSettings": "config",
     "RunSummary": "rl.summary",
     "build_model": "policy",
+    "check_rl_engine": "stages",
     "evaluate_policy": "stages",
     "fmt": "artifacts.report",
     "join_cluster": "backends.ray.cluster",
@@ -68,6 +75,7 @@ _HOME = {
     "reinforce": "stages",
     "reuse_freed_memory": "runtime.allocator",
     "save_policy": "policy",
+    "VllmError": "inference.vllm.errors",
     "write_report": "artifacts.report",
 }
 __all__ = [
@@ -80,8 +88,10 @@ __all__ = [
     "RunHooks",
     "RunSettings",
     "RunSummary",
+    "VllmError",
     "__version__",
     "build_model",
+    "check_rl_engine",
     "evaluate_policy",
     "fmt",
     "join_cluster",

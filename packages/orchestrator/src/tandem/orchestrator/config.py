@@ -20,18 +20,28 @@ from tandem.agent_env import EnvConfig, SandboxError, check_task_family
 from tandem.grpo.config import GRPOConfig
 from tandem.moe_determinism.model.config import MoEConfig
 from tandem.moe_determinism.model.model_dir import with_checkpoint_shapes
+from tandem.orchestrator.config_checks import ConfigValueError
+from tandem.orchestrator.config_checks import require as _require
+from tandem.orchestrator.inference.engine_config import EngineConfig, VllmConfig
+
+__all__ = [
+    "CATEGORY_KEYS",
+    "ConfigValueError",
+    "EngineConfig",
+    "EpisodeConfig",
+    "EvalConfig",
+    "MidtrainConfig",
+    "RLConfig",
+    "RayConfig",
+    "RunConfig",
+    "RunSettings",
+    "TaskConfig",
+    "TrainerConfig",
+    "VllmConfig",
+]
 
 CATEGORY_KEYS = ("function", "bug_kind")
 """The metadata fields that name a generated task's category (its function and bug kind)."""
-
-
-class ConfigValueError(ValueError):
-    """A config value is out of range; the message names the field and the allowed values."""
-
-
-def _require(ok: bool, field: str, why: str) -> None:
-    if not ok:
-        raise ConfigValueError(f"{field}: {why}")
 
 
 class RunSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -87,35 +97,6 @@ class EpisodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _require(self.max_observation_chars >= 64, "max_observation_chars", "must be >= 64")
-
-
-class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The embedded inference engine: slots, context, sampling and weight updates.
-
-    ``update_mid_rollout``: apply a new policy version between any two decoding steps, even
-    in the middle of a turn (each token is tagged with the version that produced it); when
-    false, only at a step where no turn is being generated (episodes may still span versions).
-    ``stop_malformed``: end a turn at the first token after which it can no longer become a
-    well-formed call of a known tool (`CallPrefix`), instead of decoding to the token budget.
-    ``share_prefixes``: a turn copies the keys and values another slot already computed for
-    its leading tokens at the current version instead of prefilling them (bit-exact under
-    ``deterministic``; see `PrefixIndex`).
-    """
-
-    max_slots: int = 32
-    max_len: int = 2048
-    max_new_tokens: int = 192
-    temperature: float = 1.0
-    deterministic: bool = True
-    update_mid_rollout: bool = True
-    stop_malformed: bool = True
-    share_prefixes: bool = True
-
-    def __post_init__(self) -> None:
-        _require(self.max_slots >= 1, "max_slots", "must be >= 1")
-        _require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        _require(self.max_len > self.max_new_tokens, "max_len", "must exceed max_new_tokens")
-        _require(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

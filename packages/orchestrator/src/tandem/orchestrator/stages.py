@@ -23,6 +23,7 @@ from tandem.orchestrator.artifacts.metrics import MetricsLog
 from tandem.orchestrator.backends import build_backend
 from tandem.orchestrator.config import ConfigValueError, RunConfig
 from tandem.orchestrator.eval.evaluate import progress_log
+from tandem.orchestrator.eval.on_vllm import play_on_vllm
 from tandem.orchestrator.eval.passk import EvalResult, summarize
 from tandem.orchestrator.eval.replicas import play_on_replicas
 from tandem.orchestrator.inference.formats import chat_format_for
@@ -123,20 +124,31 @@ def evaluate_policy(
 ) -> EvalResult:
     """pass@k (``eval.ks``) of ``model`` on ``eval.tasks`` held-out tasks
     (``tasks.eval_seed``), ``eval.samples`` each, played by ``eval.engines`` embedded
-    engines (worker processes when more than one; 0: one per core)."""
+    engines (worker processes when more than one; 0: one per core), or by vLLM servers
+    (``engine.kind = "vllm"``)."""
     n_tasks = n_tasks or config.eval.tasks
     samples = samples or config.eval.samples
     held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(0, n_tasks)
     replicas = config.eval.engines or os.cpu_count() or 1
     t0 = time.perf_counter()
-    per_task = play_on_replicas(
-        model,
-        config,
-        held_out,
-        samples=samples,
-        replicas=replicas,
-        on_sample=progress_log(n_tasks * samples),
-    )
+    if config.engine.kind == "vllm":
+        per_task = play_on_vllm(
+            model,
+            config,
+            held_out,
+            samples=samples,
+            log_dir=config.run_dir,
+            on_sample=progress_log(n_tasks * samples),
+        )
+    else:
+        per_task = play_on_replicas(
+            model,
+            config,
+            held_out,
+            samples=samples,
+            replicas=replicas,
+            on_sample=progress_log(n_tasks * samples),
+        )
     ks = tuple(k for k in config.eval.ks if k <= samples)
     result = summarize(per_task, ks, [task_category(t) for t in held_out])
     log.info(
@@ -148,6 +160,17 @@ def evaluate_policy(
         seconds=round(time.perf_counter() - t0, 1),
     )
     return result
+
+
+def check_rl_engine(config: RunConfig) -> None:
+    """RL rollouts need an engine that follows the delta stream in place: the embedded one.
+    vLLM servers play evaluations; raise `ConfigValueError` before any work otherwise."""
+    if config.engine.kind != "embedded":
+        raise ConfigValueError(
+            f"engine.kind = {config.engine.kind!r}: RL rollouts run on the embedded engine, "
+            "whose weights follow each published version; vLLM servers play evaluations "
+            "(tandem eval --set engine.kind=vllm)"
+        )
 
 
 def reinforce(
@@ -163,6 +186,7 @@ def reinforce(
     """The RL stage on ``model`` (trained in place) in ``run_dir`` (default: the run's
     ``rl/``), on training tasks ``task_offset..`` of ``tasks.train_seed`` (default: those
     after the ones mid-training's transcripts used). Resumes from the checkpoints there."""
+    check_rl_engine(config)
     run_dir = run_dir or config.run_dir / "rl"
     if task_offset is None:
         task_offset = config.midtrain.transcripts

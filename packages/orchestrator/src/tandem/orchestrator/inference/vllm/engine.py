@@ -1,0 +1,197 @@
+"""vLLM servers behind the `Engine` protocol: token ids in and out over HTTP.
+
+Each slot is an episode's context, kept here: a turn sends the whole context to vLLM's
+token-in/token-out endpoint (``/inference/v1/generate``), whose prefix cache holds the
+earlier turns, so only the new tokens are computed. A slot stays on one server (its prefix
+cache) when there are several; slots go to servers in turn.
+
+What a turn returns matches the embedded engine's `TurnOutput`:
+- log-probs of the sampled tokens after temperature (the server runs with
+  ``--logprobs-mode processed_logprobs``);
+- a seed per turn drawn from the episode's generator, so an episode's draws depend only on
+  its seed (vLLM's sampler, not tandem's: the same seed gives other tokens than the
+  embedded engine);
+- the policy version of every token, from the server's weight-version spans (a version
+  tandem did not set, such as vLLM's ``"default"``, counts as ``initial_version``);
+- the turn ends at the stop token, the budget, or the first token ``keep_going`` rejects,
+  applied to what the server returns (the tokens after it are dropped, as if never sampled);
+- routes: the experts vLLM reports (``routed_experts``, on GPU builds that enable it), else
+  -1 for every expert, which the trainer's R3 replay cannot use (R2 scores its own routes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from tandem.orchestrator.inference.engine_config import EngineConfig
+from tandem.orchestrator.protocols import EngineStopped
+from tandem.orchestrator.wire import TurnOutput
+
+GENERATE = "/inference/v1/generate"
+
+
+class VllmEngine:
+    """The `tandem.orchestrator.protocols.Engine` of one or more vLLM servers."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        config: EngineConfig,
+        *,
+        stop_id: int,
+        vocab: int,
+        model_vocab: int,
+        route_shape: tuple[int, int],
+        initial_version: int = 0,
+    ) -> None:
+        if not urls:
+            raise ValueError("VllmEngine needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.config = config
+        self.stop_id = stop_id
+        self.route_shape = route_shape
+        self.initial_version = initial_version
+        # sample only the tokenizer's ids when the model's vocabulary is padded beyond it
+        self._allowed = list(range(vocab)) if model_vocab > vocab else None
+        slots = config.max_slots * len(self.urls)
+        self._free = list(range(slots))[::-1]
+        self._slots = asyncio.Semaphore(slots)
+        self._context: dict[int, list[int]] = {}
+        self._client: httpx.AsyncClient | None = None
+        self.requests = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_len
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.config.vllm.request_timeout_s, connect=10.0),
+                limits=httpx.Limits(max_connections=self.config.max_slots * len(self.urls)),
+            )
+        return self._client
+
+    async def acquire(self) -> int:
+        await self._slots.acquire()
+        slot = self._free.pop()
+        self._context[slot] = []
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._context.pop(slot, None)
+        self._free.append(slot)
+        self._slots.release()
+
+    async def generate(
+        self,
+        slot: int,
+        feed: list[int],
+        generator: torch.Generator,
+        max_new_tokens: int,
+        keep_going: Callable[[int], bool] | None = None,
+    ) -> TurnOutput:
+        if not feed:
+            raise ValueError("a turn must feed at least one token")
+        context = self._context[slot]
+        before = len(context)
+        prompt = context + list(feed)
+        room = self.config.max_len - len(prompt)
+        if room < 1:
+            raise ValueError(
+                f"slot {slot}: {len(feed)} new tokens do not fit in the context "
+                f"({before} of {self.config.max_len} used)"
+            )
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        params: dict[str, Any] = {
+            "temperature": self.config.temperature,
+            "max_tokens": max(1, min(max_new_tokens, room)),
+            "seed": seed,
+            "logprobs": 0,
+            "stop_token_ids": [self.stop_id],
+            "detokenize": False,
+        }
+        if self._allowed is not None:
+            params["allowed_token_ids"] = self._allowed
+        body = {"token_ids": prompt, "sampling_params": params}
+        choice = await self._post(self.urls[slot % len(self.urls)], body)
+        out = self._turn(choice, len(feed), before, keep_going)
+        context.extend(feed)
+        context.extend(out.tokens[:-1])  # the last sampled token is fed by the next turn
+        return out
+
+    async def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            r = await self._http().post(url + GENERATE, json=body)
+        except httpx.HTTPError as e:
+            raise EngineStopped(f"vLLM server {url} did not answer: {e!r}") from None
+        if r.status_code != 200:
+            raise EngineStopped(f"vLLM server {url} answered HTTP {r.status_code}: {r.text[:500]}")
+        self.requests += 1
+        choices = r.json().get("choices") or []
+        if len(choices) != 1:
+            raise EngineStopped(f"vLLM server {url} returned {len(choices)} choices, not 1")
+        return dict(choices[0])
+
+    def _turn(
+        self,
+        choice: dict[str, Any],
+        fed: int,
+        before: int,
+        keep_going: Callable[[int], bool] | None,
+    ) -> TurnOutput:
+        tokens = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if not tokens or len(content) != len(tokens):
+            raise EngineStopped(
+                f"vLLM returned {len(tokens)} tokens and {len(content)} log-probs for a turn"
+            )
+        logprobs = [float(c["logprob"]) for c in content]
+        versions = self._versions(choice.get("weight_versions"), len(tokens))
+        keep = len(tokens)
+        if keep_going is not None:
+            for i, tok in enumerate(tokens):
+                if tok != self.stop_id and not keep_going(tok):
+                    keep = i + 1
+                    break
+        tokens, logprobs, versions = tokens[:keep], logprobs[:keep], versions[:keep]
+        rows = fed + len(tokens) - 1  # every fed token, and every sampled one but the last
+        return TurnOutput(
+            tokens=tokens,
+            logprobs=logprobs,
+            versions=versions,
+            routes=self._routes(choice.get("routed_experts"), before, rows),
+            min_version=min(versions),
+            max_version=max(versions),
+            truncated=tokens[-1] != self.stop_id,
+        )
+
+    def _versions(self, spans: list[dict[str, Any]] | None, n: int) -> list[int]:
+        versions = [self.initial_version] * n
+        for span in spans or []:
+            v = str(span.get("version", ""))
+            version = int(v) if v.isdigit() else self.initial_version
+            for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+                versions[i] = version
+        return versions
+
+    def _routes(self, encoded: str | None, before: int, rows: int) -> np.ndarray:
+        layers, top_k = self.route_shape
+        if encoded:
+            routes = np.load(io.BytesIO(base64.b64decode(encoded)))
+            if routes.ndim == 3 and routes.shape[0] >= before + rows:
+                return routes[before : before + rows].astype(np.int16)
+        return np.full((rows, layers, top_k), -1, dtype=np.int16)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

@@ -1,0 +1,15 @@
+"""What goes wrong with vLLM before a single episode runs, said plainly."""
+
+from __future__ import annotations
+
+
+class VllmError(RuntimeError):
+    """vLLM could not be set up or started; the message says why and what to change."""
+
+
+class VllmUnavailable(VllmError):
+    """No vLLM environment could be made or found."""
+
+
+class VllmServerFailed(VllmError):
+    """A vLLM server did not start or cannot serve the model (its own reason attached)."""
