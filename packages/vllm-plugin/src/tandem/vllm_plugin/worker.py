@@ -1,0 +1,129 @@
+"""The worker extension: a delta-sync subscriber inside each vLLM worker.
+
+Each worker keeps a host copy of the version it serves as the stream holds it (the
+trainer's own tensors, read from the store when it starts following), because a delta
+names those tensors while vLLM's parameters are fused (q, k and v in one matrix, experts
+stacked and, on the CPU, repacked). A layout given by the engine maps them to the
+checkpoint's names (a rename, or one expert of a stacked tensor). Applying a version:
+
+1. the prepared delta patches that copy in place (bit-exact, verified while preparing);
+2. vLLM's in-place reload (`reload_weights`) loads it, under the checkpoint's names, into
+   the model's parameters through each layer's own weight loader, as a start would;
+3. on the CPU, each MoE layer's experts are repacked into the grouped-GEMM layout, which
+   vLLM's reload skips there (without it the experts compute with unpacked weights).
+
+The server answers requests throughout a prepare (it runs in a thread of the worker); the
+engine pauses it only for `tandem_apply`. Arguments and results cross ``/collective_rpc``
+as strings and JSON-able dicts (it cannot carry tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from tandem.delta_sync import Prepared, Subscriber, open_store
+
+
+class DeltaSyncExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); every method name starts
+    with ``tandem_`` so that none collides with the worker's own (``update_weights``,
+    ``reload_weights``)."""
+
+    def tandem_follow(self, store: str, version: str, layout: str) -> dict[str, Any]:
+        """Follow ``store`` from ``version``, the version this server loaded.
+
+        ``layout`` (JSON): checkpoint name -> [stream name, index along dim 0 or null], how
+        the stream's tensors (the trainer's own state) make the checkpoint's."""
+        subscriber = Subscriber(open_store(store))
+        state = subscriber.materialize(int(version), as_torch=True)
+        self._tandem_layout = {
+            name: (str(src), None if index is None else int(index))
+            for name, (src, index) in json.loads(layout).items()
+        }
+        missing = sorted({src for src, _ in self._tandem_layout.values()} - set(state))
+        if missing:
+            raise KeyError(f"the stream has no tensors {missing[:3]} that the layout names")
+        self._tandem_shadow = state
+        self._tandem_subscriber = Subscriber(open_store(store), version=int(version))
+        self._tandem_version = int(version)
+        self._tandem_prepared: Prepared | None = None
+        self._tandem_error: str | None = None
+        self._tandem_thread: threading.Thread | None = None
+        return {"version": self._tandem_version, "tensors": len(state)}
+
+    def _tandem_checkpoint(self) -> Iterator[tuple[str, Any]]:
+        """The host copy under the checkpoint's names (views, no copies)."""
+        for name, (src, index) in self._tandem_layout.items():
+            t = self._tandem_shadow[src]
+            yield name, t if index is None else t[index]
+
+    def tandem_prepare(self, version: str = "") -> dict[str, Any]:
+        """Start preparing ``version`` (default: the latest) in the background."""
+        if self._tandem_thread is not None and self._tandem_thread.is_alive():
+            return {"preparing": True}
+        self._tandem_error = None
+        target = int(version) if version else None
+
+        def work() -> None:
+            try:
+                prepared = self._tandem_subscriber.prepare(target)
+                if prepared.version > self._tandem_version:
+                    self._tandem_prepared = prepared
+            except BaseException:
+                self._tandem_error = traceback.format_exc(limit=8)
+
+        self._tandem_thread = threading.Thread(target=work, name="tandem-prepare", daemon=True)
+        self._tandem_thread.start()
+        return {"preparing": True}
+
+    def tandem_status(self) -> dict[str, Any]:
+        thread = getattr(self, "_tandem_thread", None)
+        prepared = getattr(self, "_tandem_prepared", None)
+        return {
+            "version": getattr(self, "_tandem_version", None),
+            "preparing": bool(thread is not None and thread.is_alive()),
+            "prepared": None if prepared is None else prepared.version,
+            "prepared_bytes": 0 if prepared is None else prepared.downloaded_bytes,
+            "error": getattr(self, "_tandem_error", None),
+        }
+
+    def tandem_apply(self) -> dict[str, Any]:
+        """The pause: patch the host copy, load it into the model, repack the experts."""
+        prepared = self._tandem_prepared
+        if prepared is None:
+            return {"version": self._tandem_version, "applied": False}
+        t0 = time.perf_counter()
+        prepared.apply(self._tandem_shadow)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=self._tandem_checkpoint())
+        repacked = _repack_cpu_experts(runner.get_model())
+        self._tandem_version = prepared.version
+        self._tandem_prepared = None
+        return {
+            "version": self._tandem_version,
+            "applied": True,
+            "apply_s": time.perf_counter() - t0,
+            "repacked_layers": repacked,
+        }
+
+
+def _repack_cpu_experts(model: Any) -> int:
+    """Re-run the CPU experts' weight preparation that vLLM's in-place reload skips on the
+    CPU; returns the layers repacked (0 elsewhere)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None:
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count
