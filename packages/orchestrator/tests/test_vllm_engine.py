@@ -8,7 +8,11 @@ checked against tandem's own forward of the same tokens, computed here independe
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -26,7 +30,7 @@ from tandem.orchestrator.inference.vllm.engine import VllmEngine
 from tandem.orchestrator.inference.vllm.environment import vllm_python
 from tandem.orchestrator.inference.vllm.errors import VllmServerFailed
 from tandem.orchestrator.inference.vllm.server import VllmServer
-from tandem.orchestrator.inference.vllm.serving import check_servable
+from tandem.orchestrator.inference.vllm.serving import VllmServers, check_servable
 from tandem.orchestrator.inference.vllm.weights import VllmWeights
 from tandem.orchestrator.protocols import EngineStopped
 
@@ -37,7 +41,7 @@ MODEL = MoEConfig(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,  # vLLM's CPU attention has no head size below 32
-    moe_intermediate_size=64,
+    moe_intermediate_size=48,  # padded to 64 by vLLM's CPU experts
     num_experts=4,
     num_experts_per_tok=2,
     max_position_embeddings=1024,
@@ -49,17 +53,19 @@ PROMPT = [1, 3, 70, 105, 120, 32, 116, 104, 101, 32, 98, 117, 103, 7, 4, 104, 10
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    """(server, model): a random tiny MoE written by `save_hf` and a server on it."""
+    """(servers, model): a random tiny MoE written by `save_hf` and a server on it (one
+    tandem can restart)."""
     torch.manual_seed(11)
     model = MoETransformer(MODEL).eval()
     with torch.no_grad():  # larger logits than the default init: sampled tokens vary more
         model.lm_head.weight.mul_(20)
     directory = save_hf(model, tmp_path_factory.mktemp("policy"))
-    server = VllmServer.start(
-        vllm_python(), directory, ENGINE, log_path=directory / "server.log", seed=0
+    python = vllm_python()
+    servers = VllmServers(
+        [], lambda: VllmServer.start(python, directory, ENGINE, log_path=directory / "server.log")
     )
-    yield server, model
-    server.close()
+    yield servers, model
+    servers.close()
 
 
 def engine_on(url: str, **kw: object) -> VllmEngine:
@@ -99,11 +105,12 @@ def turns(url: str, plan: list[tuple[list[int], int]], **kw: object):
 
 
 def test_logprobs_equal_tandems_forward_over_turns(served) -> None:
-    server, model = served
-    outs, tokens = turns(server.url, [(PROMPT, 1)])
+    servers, model = served
+    url = servers.urls[0]
+    outs, tokens = turns(url, [(PROMPT, 1)])
     first = outs[0]
     second_feed = [first.tokens[-1], STOP, 4, 104, 105, STOP, 5]
-    outs, tokens = turns(server.url, [(PROMPT, 1), (second_feed, 2)])
+    outs, tokens = turns(url, [(PROMPT, 1), (second_feed, 2)])
     assert outs[0].tokens == first.tokens  # the same seed, the same draws
     got = torch.tensor(outs[0].logprobs + outs[1].logprobs, dtype=torch.float64)
     ref = reference_logprobs(model, tokens, len(PROMPT)).double()
@@ -116,16 +123,18 @@ def test_logprobs_equal_tandems_forward_over_turns(served) -> None:
 
 
 def test_seeds_choose_the_draws(served) -> None:
-    server, _ = served
-    a = turns(server.url, [(PROMPT, 5)])[0][0].tokens
-    b = turns(server.url, [(PROMPT, 5)])[0][0].tokens
-    c = turns(server.url, [(PROMPT, 6)])[0][0].tokens
+    servers, _ = served
+    url = servers.urls[0]
+    a = turns(url, [(PROMPT, 5)])[0][0].tokens
+    b = turns(url, [(PROMPT, 5)])[0][0].tokens
+    c = turns(url, [(PROMPT, 6)])[0][0].tokens
     assert a == b and a != c
 
 
 def test_a_rejected_token_ends_the_turn(served) -> None:
-    server, _ = served
-    full = turns(server.url, [(PROMPT, 3)])[0][0]
+    servers, _ = served
+    url = servers.urls[0]
+    full = turns(url, [(PROMPT, 3)])[0][0]
     assert len(full.tokens) >= 4
     seen: list[int] = []
 
@@ -134,7 +143,7 @@ def test_a_rejected_token_ends_the_turn(served) -> None:
         return len(seen) < 3
 
     async def go():
-        engine = engine_on(server.url)
+        engine = engine_on(url)
         slot = await engine.acquire()
         out = await engine.generate(
             slot, list(PROMPT), torch.Generator().manual_seed(3), 24, keep_going
@@ -152,17 +161,19 @@ def test_a_rejected_token_ends_the_turn(served) -> None:
 
 
 def test_tokens_carry_the_servers_weight_version(served) -> None:
-    server, _ = served
-    out = turns(server.url, [(PROMPT, 4)], initial_version=3)[0][0]
+    servers, _ = served
+    url = servers.urls[0]
+    out = turns(url, [(PROMPT, 4)], initial_version=3)[0][0]
     assert set(out.versions) == {3} and out.min_version == out.max_version == 3  # "default"
-    r = httpx.post(f"{server.url}/update_weight_version", json={"new_version": "12"})
+    r = httpx.post(f"{url}/update_weight_version", json={"new_version": "12"})
     assert r.status_code == 200, r.text
-    out = turns(server.url, [(PROMPT, 4)], initial_version=3)[0][0]
+    out = turns(url, [(PROMPT, 4)], initial_version=3)[0][0]
     assert set(out.versions) == {12} and out.max_version == 12
 
 
 def test_many_episodes_at_once(served) -> None:
-    server, _ = served
+    servers, _ = served
+    url = servers.urls[0]
 
     async def one(engine: VllmEngine, seed: int):
         slot = await engine.acquire()
@@ -174,15 +185,174 @@ def test_many_episodes_at_once(served) -> None:
             engine.release(slot)
 
     async def go():
-        engine = engine_on(server.url)
+        engine = engine_on(url)
         outs = await asyncio.gather(*(one(engine, s) for s in range(20)))
         await engine.close()
         return outs
 
     outs = asyncio.run(go())
-    alone = turns(server.url, [(PROMPT, 7)])[0][0]
+    alone = turns(url, [(PROMPT, 7)])[0][0]
     assert outs[7].tokens == alone.tokens  # batched with 19 others, the same draws
     assert np.allclose(outs[7].logprobs, alone.logprobs, atol=1e-5)
+
+
+def publish_versions(store: Path, *models: MoETransformer) -> None:
+    """Versions 0, 1, ... of ``models`` into a delta-sync store, as the trainer publishes."""
+    publisher = Publisher(LocalStore(store))
+    for version, m in enumerate(models):
+        publisher.publish(version, {k: v.detach() for k, v in m.state_dict().items()})
+    publisher.close()
+
+
+def test_an_update_arriving_mid_turn(served, tmp_path: Path) -> None:
+    """A version applied while a turn decodes (streamed, so the update lands after its
+    first tokens): tokens before it carry the old version and are those the old weights
+    sample alone; tokens after it carry the new one."""
+    servers, model = served
+    url = servers.urls[0]
+    store = tmp_path / "weights"
+    publish_versions(store, model, perturbed(model, 5))
+    n = 480
+    body = {
+        "token_ids": PROMPT,
+        "sampling_params": {"temperature": 1.0, "max_tokens": n, "seed": 9, "logprobs": 0},
+        "stream": True,
+    }
+
+    async def go():
+        async with httpx.AsyncClient(timeout=300) as client:
+            weights = VllmWeights(url, client=client)
+            await weights.follow(str(store), 0, hf_layout(model))
+            await weights.rpc("tandem_prepare", "1")  # once ahead: the worker's first decode
+            while (await weights.rpc("tandem_status"))[0]["preparing"]:  # compiles its kernels
+                await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            r = await client.post(f"{url}/inference/v1/generate", json={**body, "stream": False})
+            alone = r.json()["choices"][0]["token_ids"]  # version 0 alone
+            print(f"{n} tokens alone in {time.perf_counter() - t0:.2f} s")
+            tokens: list[int] = []
+            spans: list[dict] = []
+            update = None
+            async with client.stream("POST", f"{url}/inference/v1/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens += choice.get("token_ids") or []
+                    spans = choice.get("weight_versions") or spans
+                    if update is None and len(tokens) >= 40:
+                        update = await weights.update(1)
+            return alone, update, tokens, spans
+
+    alone, update, tokens, spans = asyncio.run(go())
+    assert update is not None and update.version == 1 and len(tokens) == n
+    versions = [s["version"] for s in spans]
+    print(f"mid-turn update: {update}, spans {spans}")
+    assert versions == ["0", "1"] and spans[0]["start"] == 0 and spans[-1]["end"] == n
+    switch = spans[1]["start"]
+    assert 40 <= switch < n, "the update must land inside the turn"
+    assert tokens[:switch] == alone[:switch]
+    assert tokens[switch:] != alone[switch:]
+
+
+def test_rl_steps_train_and_publish_on_vllm(served, tmp_path: Path) -> None:
+    """A short async RL run whose rollouts play on the vLLM server (given by URL): every
+    step trains and publishes, the server follows the stream, and the trainer measures
+    the gap between vLLM's log-probs and its own."""
+    from rl_helpers import ENV, parity
+
+    from tandem.orchestrator import reinforce
+    from tandem.orchestrator.config import RLConfig, RunSettings, TaskConfig, TrainerConfig
+    from tandem.orchestrator.rl.hooks import RunHooks
+
+    servers, model = served
+    engine = msgspec.structs.replace(
+        ENGINE, max_new_tokens=8, vllm=VllmConfig(urls=[servers.urls[0]])
+    )
+    config = RunConfig(
+        run=RunSettings(name="vllm-rl", output_dir=str(tmp_path)),
+        model=MODEL,
+        tasks=TaskConfig(),
+        env=ENV,
+        engine=engine,
+        trainer=TrainerConfig(lr=1e-2, routing_check_rows=2),
+        rl=RLConfig(steps=3, group_size=4, groups_per_step=2, checkpoint_every=3),
+    )
+    assert config.trainer.replay == "R2"  # vLLM reports no routes to replay here
+    policy = MoETransformer(MODEL).eval()
+    policy.load_state_dict(model.state_dict())
+    published: list[int] = []
+    summary = reinforce(
+        policy,
+        config,
+        run_dir=tmp_path / "rl",
+        task_offset=0,
+        hooks=RunHooks(reward=parity, on_publish=lambda v, _: published.append(v)),
+    )
+    assert summary.steps_done == 3 and summary.policy_version == 3
+    assert published == [1, 2, 3]
+    assert summary.last_metrics["engine_version"] >= 1  # the server followed the stream
+    assert summary.pause_s and max(summary.pause_s) < 10
+    assert not any(k.startswith("routing_agreement") for k in summary.last_metrics)
+    records = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").open()]
+    gaps = [r["mismatch_max_abs"] for r in records if r.get("mismatch_max_abs") is not None]
+    assert gaps and max(gaps) < 1e-3  # fp32 vLLM against the trainer's batch-invariant ops
+
+
+def test_a_server_that_dies_is_restarted_and_the_group_played_again(served, tmp_path: Path) -> None:
+    from rl_helpers import ENV
+
+    from tandem.orchestrator.config import EpisodeConfig, TaskConfig
+    from tandem.orchestrator.inference.chat_format import ChatFormat
+    from tandem.orchestrator.protocols import WorkerLost
+    from tandem.orchestrator.rollout.tasks import TaskSource
+    from tandem.orchestrator.rollout.vllm import VllmRollouts
+
+    servers, model = served
+    store = tmp_path / "weights"
+    v1 = perturbed(model, 7)
+    publish_versions(store, model, v1)
+    old_url = servers.urls[0]
+    chat = ChatFormat()
+    rollouts = VllmRollouts(
+        VllmEngine(
+            servers.urls,
+            ENGINE,
+            stop_id=chat.end_id,
+            vocab=266,
+            model_vocab=266,
+            route_shape=(2, 2),
+        ),
+        str(store),
+        hf_layout(model),
+        0,
+        TaskSource(TaskConfig(), 1),
+        chat=chat,
+        env=ENV,
+        episode=EpisodeConfig(),
+        engine_cfg=ENGINE,
+        seed=0,
+        group_size=3,
+        servers=servers,
+    )
+
+    async def go():
+        await rollouts.start(follow=False)
+        await rollouts.sync_to(1)
+        before = await rollouts.play(0)
+        os.killpg(servers.server.process.pid, signal.SIGKILL)  # the server and its workers
+        with pytest.raises(WorkerLost, match="vLLM server failed"):
+            await rollouts.play(1)
+        again = await rollouts.play(1)
+        stats = await rollouts.stats()
+        await rollouts.close()
+        return before, again, stats
+
+    before, again, stats = asyncio.run(go())
+    assert len(before.samples) == 3 and len(again.samples) == 3
+    assert rollouts.restarts == 1 and servers.urls[0] != old_url
+    assert stats.engine_version == 1  # restarted on version 0, then updated to the latest
+    assert all(set(v for v in s.versions if v >= 0) == {1} for s in again.samples)
 
 
 def perturbed(model: MoETransformer, seed: int) -> MoETransformer:
@@ -200,34 +370,36 @@ def perturbed(model: MoETransformer, seed: int) -> MoETransformer:
 def test_updates_in_place_equal_a_fresh_server(served, tmp_path: Path) -> None:
     """Two versions pulled from a delta-sync store and applied in place: the server then
     samples and scores exactly as a server started on the last version's checkpoint."""
-    server, model = served
+    servers, model = served
+    url = servers.urls[0]
     v1 = perturbed(model, 1)
     v2 = perturbed(v1, 2)
     store = tmp_path / "weights"
-    publisher = Publisher(LocalStore(store))
-    for version, m in enumerate((model, v1, v2)):
-        publisher.publish(version, {k: v.detach() for k, v in m.state_dict().items()})
-    publisher.close()
+    publish_versions(store, model, v1, v2)
+    plan = [(PROMPT, 21), ([PROMPT[0], *PROMPT[1:5]], 22)]
 
-    async def update():
+    async def follow_then_update():
         async with httpx.AsyncClient(timeout=300) as client:
-            weights = VllmWeights(client, server.url)
-            await weights.follow(str(store), 0, hf_layout(model))
+            weights = VllmWeights(url, client=client)
+            await weights.follow(str(store), 0, hf_layout(model))  # loads version 0 now
+            engine = engine_on(url)
+            slot = await engine.acquire()
+            start = await engine.generate(slot, list(PROMPT), torch.Generator().manual_seed(21), 24)
+            engine.release(slot)
+            await engine.close()
             first = await weights.update(1)
             second = await weights.update()
             again = await weights.update()
-            return first, second, again
+            return start, first, second, again
 
-    plan = [(PROMPT, 21), ([PROMPT[0], *PROMPT[1:5]], 22)]
-    at_start = turns(server.url, [plan[0]])[0][0]
-    first, second, again = asyncio.run(update())
+    at_start, first, second, again = asyncio.run(follow_then_update())
     print(f"update to 1: {first}\nupdate to 2: {second}")
     assert first is not None and first.version == 1
     assert second is not None and second.version == 2 and again is None
     assert second.downloaded_bytes > 0 and 0 < second.pause_s < 10
-    updated = [turns(server.url, [p])[0][0] for p in plan]
+    updated = [turns(url, [p])[0][0] for p in plan]
     greedy_engine = msgspec.structs.replace(ENGINE, temperature=0.0)
-    greedy = asyncio.run(_one_turn(server.url, greedy_engine))
+    greedy = asyncio.run(_one_turn(url, greedy_engine))
     assert set(updated[0].versions) == {2}
 
     fresh_dir = save_hf(v2, tmp_path / "v2")
@@ -254,11 +426,12 @@ async def _one_turn(url: str, config: EngineConfig):
 
 
 def test_a_dead_server_stops_the_engine(served) -> None:
-    """Runs last in this module: it kills the module's server."""
-    server, _ = served
-    server.close()
+    """Runs last in this module: it stops the module's server."""
+    servers, _ = served
+    url = servers.urls[0]
+    servers.close()
     with pytest.raises(EngineStopped, match="did not answer"):
-        turns(server.url, [(PROMPT, 1)])
+        turns(url, [(PROMPT, 1)])
 
 
 def test_a_python_without_vllm_is_reported(tmp_path: Path) -> None:

@@ -139,6 +139,18 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     )
 
     check_rl_engine(config)  # before minutes of mid-training
+    if config.engine.kind == "vllm":
+        from tandem.orchestrator import servable_head_dim
+
+        head_dim = servable_head_dim(config.model.head_dim, cuda=torch.cuda.is_available())
+        if head_dim != config.model.head_dim:
+            log.warning(
+                "demo.head_dim_for_vllm",
+                head_dim=head_dim,
+                was=config.model.head_dim,
+                why="vLLM's CPU attention has no smaller head size",
+            )
+            config.model = msgspec.structs.replace(config.model, head_dim=head_dim)
     t_start = time.perf_counter()
     run_dir = config.run_dir
     for stale in ("rl", "midtrained", "rl_trained"):

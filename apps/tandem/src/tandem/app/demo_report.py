@@ -97,7 +97,17 @@ def _run_rows(
 
     hist = summary.staleness_histogram
     n_eval = f"{before.tasks} tasks x {before.samples_per_task}"
+    replay_mode = config.trainer.replay
+    if config.engine.kind == "vllm":
+        engine = (
+            f"vLLM server (rollouts and evaluations), model head_dim {config.model.head_dim}; "
+            f"the trainer replays {replay_mode}, its own routes: vLLM reports no routed "
+            "experts here"
+        )
+    else:
+        engine = "embedded (the trainer's numerics, bit for bit)"
     return [
+        ("inference engine", engine),
         ("held-out tasks (never trained on)", f"{n_eval}, seed {config.tasks.eval_seed}"),
         ("pass@1 mid-trained", fmt(p0)),
         ("pass@1 RL-trained", fmt(p1)),
@@ -121,7 +131,10 @@ def _run_rows(
             f"{fmt(max(mism) if mism else None, '.3g')} over {int(mism_tokens)} tokens",
         ),
         ("logprob mismatch k3 (mean)", fmt(mean(k3), ".3g")),
-        ("routing agreement with replay (R3)", fmt(min(replay) if replay else None, ".4f")),
+        (
+            f"routing agreement with replay ({replay_mode})",
+            fmt(min(replay) if replay else None, ".4f"),
+        ),
         (
             "routing agreement without replay, same version",
             fmt(min(free_same) if free_same else None, ".4f"),

@@ -41,3 +41,6 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
     logging.basicConfig(
         level=numeric, stream=stream, format="%(levelname)s %(name)s: %(message)s", force=True
     )
+    # the HTTP clients log every request at INFO (thousands per run with a vLLM engine)
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(numeric, logging.WARNING))

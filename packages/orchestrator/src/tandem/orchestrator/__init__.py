@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tandem.orchestrator.config import ConfigValueError, RunConfig, RunSettings
     from tandem.orchestrator.eval.passk import EvalResult, paired_difference
     from tandem.orchestrator.inference.vllm.errors import VllmError
+    from tandem.orchestrator.inference.vllm.serving import servable_head_dim
     from tandem.orchestrator.policy import PolicyError, build_model, load_policy, save_policy
     from tandem.orchestrator.rl.hooks import RunHooks
     from tandem.orchestrator.rl.loop import RLRun
@@ -75,6 +76,7 @@ _HOME = {
     "reinforce": "stages",
     "reuse_freed_memory": "runtime.allocator",
     "save_policy": "policy",
+    "servable_head_dim": "inference.vllm.serving",
     "VllmError": "inference.vllm.errors",
     "write_report": "artifacts.report",
 }
@@ -105,6 +107,7 @@ __all__ = [
     "reinforce",
     "reuse_freed_memory",
     "save_policy",
+    "servable_head_dim",
     "write_report",
 ]
 

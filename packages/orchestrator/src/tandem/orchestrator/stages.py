@@ -163,13 +163,13 @@ def evaluate_policy(
 
 
 def check_rl_engine(config: RunConfig) -> None:
-    """RL rollouts need an engine that follows the delta stream in place: the embedded one.
-    vLLM servers play evaluations; raise `ConfigValueError` before any work otherwise."""
-    if config.engine.kind != "embedded":
+    """Raise `ConfigValueError` before any work for an engine RL cannot run on here: vLLM
+    servers serve the ``local`` backend's rollouts (one engine over ``engine.vllm.urls``, or
+    a server started on loopback); the ``ray`` backend's actors run embedded engines."""
+    if config.engine.kind == "vllm" and config.rl.backend != "local":
         raise ConfigValueError(
-            f"engine.kind = {config.engine.kind!r}: RL rollouts run on the embedded engine, "
-            "whose weights follow each published version; vLLM servers play evaluations "
-            "(tandem eval --set engine.kind=vllm)"
+            f"engine.kind = 'vllm' with rl.backend = {config.rl.backend!r}: vLLM rollouts run "
+            "on the local backend (give several servers as engine.vllm.urls)"
         )
 
 

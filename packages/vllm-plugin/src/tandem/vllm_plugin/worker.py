@@ -9,8 +9,8 @@ checkpoint's names (a rename, or one expert of a stacked tensor). Applying a ver
 1. the prepared delta patches that copy in place (bit-exact, verified while preparing);
 2. vLLM's in-place reload (`reload_weights`) loads it, under the checkpoint's names, into
    the model's parameters through each layer's own weight loader, as a start would;
-3. on the CPU, each MoE layer's experts are repacked into the grouped-GEMM layout, which
-   vLLM's reload skips there (without it the experts compute with unpacked weights).
+3. on the CPU, each MoE layer's experts go through the CPU kernel's full preparation (the
+   intermediate size padded, the grouped-GEMM repack), which vLLM's reload skips there.
 
 The server answers requests throughout a prepare (it runs in a thread of the worker); the
 engine pauses it only for `tandem_apply`. Arguments and results cross ``/collective_rpc``
@@ -35,7 +35,8 @@ class DeltaSyncExtension:
     ``reload_weights``)."""
 
     def tandem_follow(self, store: str, version: str, layout: str) -> dict[str, Any]:
-        """Follow ``store`` from ``version``, the version this server loaded.
+        """Follow ``store`` from ``version``: its weights are loaded now (whatever the server
+        held before), and later versions are deltas from them.
 
         ``layout`` (JSON): checkpoint name -> [stream name, index along dim 0 or null], how
         the stream's tensors (the trainer's own state) make the checkpoint's."""
@@ -54,7 +55,20 @@ class DeltaSyncExtension:
         self._tandem_prepared: Prepared | None = None
         self._tandem_error: str | None = None
         self._tandem_thread: threading.Thread | None = None
-        return {"version": self._tandem_version, "tensors": len(state)}
+        t0 = time.perf_counter()
+        self._tandem_load()
+        return {
+            "version": self._tandem_version,
+            "tensors": len(state),
+            "load_s": time.perf_counter() - t0,
+        }
+
+    def _tandem_load(self) -> int:
+        """The host copy into the model's parameters (vLLM's in-place reload)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        reset = _reset_cpu_expert_kernels(runner.get_model())
+        runner.reload_weights(weights_iterator=self._tandem_checkpoint())
+        return reset
 
     def _tandem_checkpoint(self) -> Iterator[tuple[str, Any]]:
         """The host copy under the checkpoint's names (views, no copies)."""
@@ -99,9 +113,7 @@ class DeltaSyncExtension:
             return {"version": self._tandem_version, "applied": False}
         t0 = time.perf_counter()
         prepared.apply(self._tandem_shadow)
-        runner = self.model_runner  # type: ignore[attr-defined]
-        runner.reload_weights(weights_iterator=self._tandem_checkpoint())
-        repacked = _repack_cpu_experts(runner.get_model())
+        repacked = self._tandem_load()
         self._tandem_version = prepared.version
         self._tandem_prepared = None
         return {
@@ -112,18 +124,23 @@ class DeltaSyncExtension:
         }
 
 
-def _repack_cpu_experts(model: Any) -> int:
-    """Re-run the CPU experts' weight preparation that vLLM's in-place reload skips on the
-    CPU; returns the layers repacked (0 elsewhere)."""
+def _reset_cpu_expert_kernels(model: Any) -> int:
+    """On the CPU, make the reload prepare each MoE layer's experts as a first load does;
+    returns the layers reset (0 elsewhere).
+
+    vLLM's reload treats a layer whose expert kernel exists as an update and skips the CPU
+    kernel's own preparation (the intermediate size padded to its alignment, then the
+    grouped-GEMM repack): the reloaded experts would keep the checkpoint's shape, which does
+    not fit the padded parameters, or compute with unpacked weights. Without the kernel,
+    the reload builds it again and prepares the experts in full."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return 0
     count = 0
     for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None:
-            experts.process_weights_after_loading(module)
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None  # type: ignore[union-attr]
             count += 1
     return count

@@ -4,7 +4,8 @@ The engine decodes in a worker thread and the trainer steps in another, while sa
 tool calls run on the event loop. The trainer trains the run's policy in place and publishes
 each version into the run's weight stream; the engine (a copy of the policy) pulls it and
 applies it between decoding steps. `batch_invariant()` is held for the whole run, so the
-engine's log-probs are the trainer's bit for bit.
+engine's log-probs are the trainer's bit for bit. With ``engine.kind = "vllm"`` the rollouts
+run on vLLM servers instead (`local_vllm`), which follow the same stream in place.
 """
 
 from __future__ import annotations
@@ -15,20 +16,22 @@ from pathlib import Path
 
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.artifacts.checkpoint import load_weights, optimizer_state
+from tandem.orchestrator.backends.local_vllm import vllm_rollouts
 from tandem.orchestrator.config import RunConfig
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
-from tandem.orchestrator.inference.formats import chat_format_for
+from tandem.orchestrator.inference.formats import AnyChatFormat, chat_format_for
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.protocols import BackendStart
 from tandem.orchestrator.rollout.local import LocalRollouts
 from tandem.orchestrator.rollout.tasks import TaskSource
+from tandem.orchestrator.rollout.vllm import VllmRollouts
 from tandem.orchestrator.training.trainer import RLTrainer
 from tandem.orchestrator.training.weights import WeightPublisher, stream_store
 
 
 @dataclass
 class LocalBackend:
-    rollouts: LocalRollouts
+    rollouts: LocalRollouts | VllmRollouts
     trainer: RLTrainer
     sink: WeightPublisher
     scope: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -71,23 +74,44 @@ def build(
         anchor_every=config.rl.anchor_every,
     )
     sink.publish(start.version)
+    rollouts: LocalRollouts | VllmRollouts
+    if engine_cfg.kind == "vllm":
+        rollouts = vllm_rollouts(
+            scope, start, policy=policy, config=config, tasks=tasks, run_dir=run_dir, chat=chat
+        )
+    else:
+        rollouts = _embedded_rollouts(
+            start, policy=policy, config=config, tasks=tasks, chat=chat, sink=sink
+        )
+    return LocalBackend(rollouts, trainer, sink, scope)
+
+
+def _embedded_rollouts(
+    start: BackendStart,
+    *,
+    policy: MoETransformer,
+    config: RunConfig,
+    tasks: TaskSource,
+    chat: AnyChatFormat,
+    sink: WeightPublisher,
+) -> LocalRollouts:
+    """An embedded engine on a copy of ``policy``, following ``sink``'s stream."""
     engine = InferenceEngine(
         clone_model(policy),
-        engine_cfg,
+        config.engine,
         stop_id=chat.end_id,
         version=start.version,
         vocab=chat.tok.vocab_size,
     )
     engine.on_apply = start.on_engine_update
-    rollouts = LocalRollouts(
+    return LocalRollouts(
         engine,
         sink.subscriber(start.version),
         tasks,
         chat=chat,
         env=config.env,
         episode=config.episode,
-        engine_cfg=engine_cfg,
+        engine_cfg=config.engine,
         seed=config.run.seed,
         group_size=config.rl.group_size,
     )
-    return LocalBackend(rollouts, trainer, sink, scope)

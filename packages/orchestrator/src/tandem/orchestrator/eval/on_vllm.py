@@ -20,7 +20,7 @@ from tandem.orchestrator.config import RunConfig
 from tandem.orchestrator.eval.evaluate import play_tasks
 from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
-from tandem.orchestrator.inference.vllm.serving import vllm_urls
+from tandem.orchestrator.inference.vllm.serving import vllm_servers
 from tandem.orchestrator.wire import Sample
 
 
@@ -39,9 +39,11 @@ def play_on_vllm(
     engine_cfg = config.engine
     with tempfile.TemporaryDirectory(prefix="tandem-vllm-policy-") as tmp:
         policy_dir = save_hf(model, tmp) if not engine_cfg.vllm.urls else Path(tmp)
-        with vllm_urls(policy_dir, mc, engine_cfg, log_dir=log_dir, seed=config.run.seed) as urls:
+        with vllm_servers(
+            policy_dir, mc, engine_cfg, log_dir=log_dir, seed=config.run.seed
+        ) as servers:
             engine = VllmEngine(
-                urls,
+                servers.urls,
                 engine_cfg,
                 stop_id=chat.end_id,
                 vocab=chat.tok.vocab_size,

@@ -62,7 +62,8 @@ def routing_check(
     """``n_check`` rows (same-version first) re-scored with and without replay, no gradient:
     how often the trainer routing freely picks the engine's experts."""
     out: dict[str, Any] = {}
-    if n_check > 0 and model.config.moe_layers:  # a dense model has no routes to compare
+    known = bool(batch.extras.get("routes_known", torch.tensor(True)))
+    if n_check > 0 and model.config.moe_layers and known:  # a dense model has no routes
         order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
         sub = batch.select(order)
         with torch.no_grad():

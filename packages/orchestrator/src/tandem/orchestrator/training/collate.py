@@ -12,7 +12,11 @@ from tandem.orchestrator.wire import Sample
 
 
 def collate(groups: Sequence[Sequence[Sample]]) -> RolloutBatch:
-    """Right-padded batch of every sample of ``groups`` (one group id per group)."""
+    """Right-padded batch of every sample of ``groups`` (one group id per group).
+
+    ``extras["routes_known"]``: whether every sample carries the experts its engine used
+    (an engine that cannot report them marks each with -1; R3 replay then has nothing to
+    replay, and the routing-agreement checks nothing to compare)."""
     samples = [s for g in groups for s in g]
     if not samples:
         raise ValueError("cannot collate an empty list of groups")
@@ -22,6 +26,7 @@ def collate(groups: Sequence[Sequence[Sample]]) -> RolloutBatch:
     attn = torch.zeros(b, t, dtype=torch.bool)
     mask = torch.zeros(b, t, dtype=torch.bool)
     lps = torch.zeros(b, t, dtype=torch.float32)
+    known = all(int(s.routes.min(initial=0)) >= 0 for s in samples)
     wide = max(int(s.routes.max(initial=0)) for s in samples) > 255
     route_dtype = torch.int32 if wide else torch.uint8
     routes = torch.zeros(b, max(t - 1, 1), layers, top_k, dtype=route_dtype)
@@ -43,6 +48,7 @@ def collate(groups: Sequence[Sequence[Sample]]) -> RolloutBatch:
         attention_mask=attn,
         extras={
             "routes": routes,
+            "routes_known": torch.tensor(known),
             "row": torch.arange(b),
             "max_version": torch.tensor([s.max_version for s in samples], dtype=torch.long),
         },

@@ -36,6 +36,12 @@ from tandem.orchestrator.protocols import EngineStopped
 from tandem.orchestrator.wire import TurnOutput
 
 GENERATE = "/inference/v1/generate"
+KEEPALIVE_S = 2.0
+"""Idle connections are dropped before the server's own keep-alive timeout (5 s), which
+would otherwise close a connection just as a request is sent on it."""
+RETRIES = 3
+"""Tries of a request that failed at the connection (nothing of the turn came back, so a
+retry is the same request again); after them the server counts as stopped."""
 
 
 class VllmEngine:
@@ -67,16 +73,22 @@ class VllmEngine:
         self._context: dict[int, list[int]] = {}
         self._client: httpx.AsyncClient | None = None
         self.requests = 0
+        self.tokens_fed = 0  # what each turn added to its context (vLLM's cache holds the rest)
+        self.tokens_sampled = 0
 
     @property
     def max_len(self) -> int:
         return self.config.max_len
 
-    def _http(self) -> httpx.AsyncClient:
+    def http(self) -> httpx.AsyncClient:
+        """The client of this engine's event loop (made on first use, in that loop)."""
         if self._client is None:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.config.vllm.request_timeout_s, connect=10.0),
-                limits=httpx.Limits(max_connections=self.config.max_slots * len(self.urls)),
+                limits=httpx.Limits(
+                    max_connections=self.config.max_slots * len(self.urls),
+                    keepalive_expiry=KEEPALIVE_S,
+                ),
             )
         return self._client
 
@@ -116,7 +128,7 @@ class VllmEngine:
             "max_tokens": max(1, min(max_new_tokens, room)),
             "seed": seed,
             "logprobs": 0,
-            "stop_token_ids": [self.stop_id],
+            "stop_token_ids": [self.stop_id] if self.stop_id >= 0 else [],
             "detokenize": False,
         }
         if self._allowed is not None:
@@ -124,15 +136,23 @@ class VllmEngine:
         body = {"token_ids": prompt, "sampling_params": params}
         choice = await self._post(self.urls[slot % len(self.urls)], body)
         out = self._turn(choice, len(feed), before, keep_going)
+        self.tokens_fed += len(feed) + len(out.tokens) - 1
+        self.tokens_sampled += len(out.tokens)
         context.extend(feed)
         context.extend(out.tokens[:-1])  # the last sampled token is fed by the next turn
         return out
 
     async def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            r = await self._http().post(url + GENERATE, json=body)
-        except httpx.HTTPError as e:
-            raise EngineStopped(f"vLLM server {url} did not answer: {e!r}") from None
+        for attempt in range(RETRIES):
+            try:
+                r = await self.http().post(url + GENERATE, json=body)
+                break
+            except httpx.TimeoutException as e:
+                raise EngineStopped(f"vLLM server {url} did not answer in time: {e!r}") from None
+            except httpx.TransportError as e:
+                if attempt == RETRIES - 1:
+                    raise EngineStopped(f"vLLM server {url} did not answer: {e!r}") from None
+                await asyncio.sleep(0.1 * (attempt + 1))
         if r.status_code != 200:
             raise EngineStopped(f"vLLM server {url} answered HTTP {r.status_code}: {r.text[:500]}")
         self.requests += 1

@@ -6,7 +6,8 @@ an RL engine needs: token ids in and out (``--skip-tokenizer-init``), the token-
 ``/inference/v1/generate`` (``--enable-scale-out``), log-probs of the sampled tokens after
 temperature (``--logprobs-mode processed_logprobs``) and the weight-version endpoints
 (``VLLM_SERVER_DEV_MODE``). It runs in its own session, killed with its parent (the kernel's
-parent-death signal), and `close` ends its whole process group.
+parent-death signal, which follows the *thread* that started it: start servers from a
+thread that outlives them, as `VllmServers` does), and `close` ends its process group.
 
 vLLM reports some unservable models only when the first request reaches the model (the CPU
 attention kernels' head sizes), after ``/health`` already answers: a start therefore ends

@@ -43,8 +43,13 @@ class VllmUpdate(msgspec.Struct, kw_only=True):
 class VllmWeights:
     """The weight stream of one server (its plugin's subscriber)."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, *, timeout_s: float = 600.0) -> None:
-        self.client = client
+    def __init__(
+        self, url: str, *, client: httpx.AsyncClient | None = None, timeout_s: float = 600.0
+    ) -> None:
+        """``client``: one to share; by default a client of its own, so that an update never
+        waits for a connection that generations hold."""
+        self._own = client is None
+        self.client = client or httpx.AsyncClient(timeout=timeout_s)
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.version = -1
@@ -74,11 +79,27 @@ class VllmWeights:
     async def follow(
         self, store: str, version: int, layout: dict[str, tuple[str, int | None]]
     ) -> None:
-        """Subscribe every worker to ``store`` from ``version`` (the version the server
-        loaded); ``layout`` maps the checkpoint's names to the stream's (`hf_layout`)."""
-        await self.rpc("tandem_follow", store, str(version), json.dumps(layout))
-        await self._post("/update_weight_version", json={"new_version": str(version)})
+        """Subscribe every worker to ``store`` from ``version`` and load that version now (a
+        server given by URL may hold anything); ``layout`` maps the checkpoint's names to
+        the stream's (`hf_layout`)."""
+        await self._swap(version, "tandem_follow", store, str(version), json.dumps(layout))
         self.version = version
+
+    async def _swap(self, version: int, method: str, *args: str) -> list[dict[str, Any]]:
+        """Run ``method`` in every worker with the server paused, then drop what the old
+        weights computed and tag tokens from now on with ``version``."""
+        await self._post("/pause", params={"mode": "keep"})
+        try:
+            results = await self.rpc(method, *args)
+            reset = await self._post(
+                "/reset_prefix_cache", params={"reset_running_requests": "true"}
+            )
+            if not reset.get("success", False):
+                raise EngineStopped(f"vLLM server {self.url} could not reset its prefix cache")
+            await self._post("/update_weight_version", json={"new_version": str(version)})
+        finally:
+            await self._post("/resume")
+        return results
 
     async def update(self, version: int | None = None) -> VllmUpdate | None:
         """Prepare ``version`` (default: the latest) while serving, then apply it in a pause;
@@ -107,17 +128,7 @@ class VllmWeights:
         target = int(prepared.pop())  # type: ignore[arg-type]
         prepare_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        await self._post("/pause", params={"mode": "keep"})
-        try:
-            applied = await self.rpc("tandem_apply")
-            reset = await self._post(
-                "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
-            if not reset.get("success", False):
-                raise EngineStopped(f"vLLM server {self.url} could not reset its prefix cache")
-            await self._post("/update_weight_version", json={"new_version": str(target)})
-        finally:
-            await self._post("/resume")
+        applied = await self._swap(target, "tandem_apply")
         self.version = target
         return VllmUpdate(
             url=self.url,
@@ -127,3 +138,7 @@ class VllmWeights:
             apply_s=max(float(a.get("apply_s", 0.0)) for a in applied),
             downloaded_bytes=sum(int(s.get("prepared_bytes", 0)) for s in status),
         )
+
+    async def close(self) -> None:
+        if self._own:
+            await self.client.aclose()
