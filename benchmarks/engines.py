@@ -118,14 +118,7 @@ def vllm_side(model, chat, config, tasks, args, store, work: Path) -> dict[str, 
         save_hf(model, work / "policy"), mc, config.engine, log_dir=work, seed=config.run.seed
     ) as servers:
         start_s = time.perf_counter() - t0
-        engine = VllmEngine(
-            servers.urls,
-            config.engine,
-            stop_id=chat.end_id,
-            vocab=chat.tok.vocab_size,
-            model_vocab=mc.vocab_size,
-            route_shape=(len(mc.moe_layers), mc.num_experts_per_tok),
-        )
+        engine = VllmEngine.for_policy(servers.urls, config.engine, mc, chat)
 
         async def go():
             weights = VllmWeights(servers.urls[0])

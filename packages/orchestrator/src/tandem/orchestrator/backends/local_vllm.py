@@ -40,14 +40,8 @@ def vllm_rollouts(
     servers = scope.enter_context(
         vllm_servers(policy_dir, mc, config.engine, log_dir=work, seed=config.run.seed)
     )
-    engine = VllmEngine(
-        servers.urls,
-        config.engine,
-        stop_id=chat.end_id,
-        vocab=chat.tok.vocab_size,
-        model_vocab=mc.vocab_size,
-        route_shape=(len(mc.moe_layers), mc.num_experts_per_tok),
-        initial_version=start.version,
+    engine = VllmEngine.for_policy(
+        servers.urls, config.engine, mc, chat, initial_version=start.version
     )
     return VllmRollouts(
         engine,

@@ -42,14 +42,7 @@ def play_on_vllm(
         with vllm_servers(
             policy_dir, mc, engine_cfg, log_dir=log_dir, seed=config.run.seed
         ) as servers:
-            engine = VllmEngine(
-                servers.urls,
-                engine_cfg,
-                stop_id=chat.end_id,
-                vocab=chat.tok.vocab_size,
-                model_vocab=mc.vocab_size,
-                route_shape=(len(mc.moe_layers), mc.num_experts_per_tok),
-            )
+            engine = VllmEngine.for_policy(servers.urls, engine_cfg, mc, chat)
 
             async def go() -> list[list[Sample]]:
                 try:

@@ -31,7 +31,9 @@ import httpx
 import numpy as np
 import torch
 
+from tandem.moe_determinism.model.config import MoEConfig
 from tandem.orchestrator.inference.engine_config import EngineConfig
+from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.protocols import EngineStopped
 from tandem.orchestrator.wire import TurnOutput
 
@@ -75,6 +77,27 @@ class VllmEngine:
         self.requests = 0
         self.tokens_fed = 0  # what each turn added to its context (vLLM's cache holds the rest)
         self.tokens_sampled = 0
+
+    @classmethod
+    def for_policy(
+        cls,
+        urls: Sequence[str],
+        config: EngineConfig,
+        model: MoEConfig,
+        chat: AnyChatFormat,
+        *,
+        initial_version: int = 0,
+    ) -> VllmEngine:
+        """The engine for servers serving a policy of shape ``model`` in format ``chat``."""
+        return cls(
+            urls,
+            config,
+            stop_id=chat.end_id,
+            vocab=chat.tok.vocab_size,
+            model_vocab=model.vocab_size,
+            route_shape=(len(model.moe_layers), model.num_experts_per_tok),
+            initial_version=initial_version,
+        )
 
     @property
     def max_len(self) -> int:
