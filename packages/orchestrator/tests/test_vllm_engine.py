@@ -28,7 +28,7 @@ from tandem.moe_determinism.model.hf import hf_layout, save_hf
 from tandem.orchestrator.config import ConfigValueError, EngineConfig, RunConfig, VllmConfig
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
 from tandem.orchestrator.inference.vllm.environment import vllm_python
-from tandem.orchestrator.inference.vllm.errors import VllmServerFailed
+from tandem.orchestrator.inference.vllm.errors import VllmRequestRefused, VllmServerFailed
 from tandem.orchestrator.inference.vllm.server import VllmServer
 from tandem.orchestrator.inference.vllm.serving import VllmServers, check_servable
 from tandem.orchestrator.inference.vllm.weights import VllmWeights
@@ -202,6 +202,25 @@ def publish_versions(store: Path, *models: MoETransformer) -> None:
     for version, m in enumerate(models):
         publisher.publish(version, {k: v.detach() for k, v in m.state_dict().items()})
     publisher.close()
+
+
+def test_bad_requests_are_refused_and_the_server_keeps_serving(served) -> None:
+    servers, _ = served
+    url = servers.urls[0]
+    with pytest.raises(ValueError, match=r"token ids \[99999\] are outside"):
+        turns(url, [([*PROMPT, 99_999], 1)])  # vLLM's engine would die on it
+    malformed = {"token_ids": PROMPT, "sampling_params": {"temperature": -1.0}}
+
+    async def send():
+        engine = engine_on(url)
+        try:
+            return await engine._post(url, malformed)
+        finally:
+            await engine.close()
+
+    with pytest.raises(VllmRequestRefused, match=r"HTTP 4\d\d"):
+        asyncio.run(send())
+    assert turns(url, [(PROMPT, 1)])[0][0].tokens  # still serving
 
 
 def test_an_update_arriving_mid_turn(served, tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ import torch
 from tandem.moe_determinism.model.config import MoEConfig
 from tandem.orchestrator.inference.engine_config import EngineConfig
 from tandem.orchestrator.inference.formats import AnyChatFormat
+from tandem.orchestrator.inference.vllm.errors import VllmRequestRefused
 from tandem.orchestrator.protocols import EngineStopped
 from tandem.orchestrator.wire import TurnOutput
 
@@ -69,6 +70,7 @@ class VllmEngine:
         self.initial_version = initial_version
         # sample only the tokenizer's ids when the model's vocabulary is padded beyond it
         self._allowed = list(range(vocab)) if model_vocab > vocab else None
+        self.model_vocab = model_vocab
         slots = config.max_slots * len(self.urls)
         self._free = list(range(slots))[::-1]
         self._slots = asyncio.Semaphore(slots)
@@ -136,6 +138,12 @@ class VllmEngine:
     ) -> TurnOutput:
         if not feed:
             raise ValueError("a turn must feed at least one token")
+        bad = [t for t in feed if not 0 <= t < self.model_vocab]
+        if bad:  # vLLM's engine dies on such an id instead of refusing the request
+            raise ValueError(
+                f"slot {slot}: token ids {bad[:5]} are outside the model's vocabulary "
+                f"(0..{self.model_vocab - 1})"
+            )
         context = self._context[slot]
         before = len(context)
         prompt = context + list(feed)
@@ -176,6 +184,10 @@ class VllmEngine:
                 if attempt == RETRIES - 1:
                     raise EngineStopped(f"vLLM server {url} did not answer: {e!r}") from None
                 await asyncio.sleep(0.1 * (attempt + 1))
+        if 400 <= r.status_code < 500:
+            raise VllmRequestRefused(
+                f"vLLM server {url} refused a turn (HTTP {r.status_code}): {r.text[:500]}"
+            )
         if r.status_code != 200:
             raise EngineStopped(f"vLLM server {url} answered HTTP {r.status_code}: {r.text[:500]}")
         self.requests += 1

@@ -13,3 +13,7 @@ class VllmUnavailable(VllmError):
 
 class VllmServerFailed(VllmError):
     """A vLLM server did not start or cannot serve the model (its own reason attached)."""
+
+
+class VllmRequestRefused(VllmError):
+    """A server refused a request as malformed (HTTP 4xx): sending it again would not help."""
