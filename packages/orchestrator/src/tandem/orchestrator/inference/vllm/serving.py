@@ -70,7 +70,11 @@ class VllmServers:
         self._launcher: ThreadPoolExecutor | None = None
         if start is not None:
             self._launcher = ThreadPoolExecutor(1, thread_name_prefix="tandem-vllm-launcher")
-            self._server = self._launcher.submit(start).result()
+            try:
+                self._server = self._launcher.submit(start).result()
+            except BaseException:
+                self.close()
+                raise
             self.urls = [self._server.url]
 
     @property

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from tandem.orchestrator.inference.vllm.engine import KEEPALIVE_S
 from tandem.orchestrator.protocols import EngineStopped
 
 POLL_S = 0.02
@@ -49,7 +50,9 @@ class VllmWeights:
         """``client``: one to share; by default a client of its own, so that an update never
         waits for a connection that generations hold."""
         self._own = client is None
-        self.client = client or httpx.AsyncClient(timeout=timeout_s)
+        self.client = client or httpx.AsyncClient(
+            timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+        )
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.version = -1
