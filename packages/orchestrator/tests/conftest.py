@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tandem.agent_env import tool_schemas
 from tandem.moe_determinism import MoEConfig
@@ -196,3 +197,29 @@ def two_groups(chat: ChatFormat, tiny_policy, make_engine) -> list[list[Sample]]
     ]
     samples = drive(make_engine(tiny_policy), chat, episodes)
     return [samples[:4], samples[4:]]
+
+
+@pytest.fixture(scope="session")
+def vllm_served(tmp_path_factory: pytest.TempPathFactory):
+    """(servers, model): a random tiny MoE written by `save_hf` and one vLLM server on it
+    for the whole session (a start takes about a minute on two cores), which tandem can
+    restart. Its environment is created with uv on first use and cached."""
+    from vllm_helpers import ENGINE, MODEL
+
+    from tandem.moe_determinism import MoETransformer
+    from tandem.moe_determinism.model.hf import save_hf
+    from tandem.orchestrator.inference.vllm.environment import vllm_python
+    from tandem.orchestrator.inference.vllm.server import VllmServer
+    from tandem.orchestrator.inference.vllm.serving import VllmServers
+
+    torch.manual_seed(11)
+    model = MoETransformer(MODEL).eval()
+    with torch.no_grad():  # larger logits than the default init: sampled tokens vary more
+        model.lm_head.weight.mul_(20)
+    directory = save_hf(model, tmp_path_factory.mktemp("vllm-policy"))
+    python = vllm_python()
+    servers = VllmServers(
+        [], lambda: VllmServer.start(python, directory, ENGINE, log_path=directory / "server.log")
+    )
+    yield servers, model
+    servers.close()
