@@ -12,8 +12,9 @@ of every check that failed) is written into $OUT and printed.
 its tests (and must find the test files it names), each benchmark must answer `--help` with
 its `--gpu` option, and the summary is written and read back. The default test suite runs
 it, so the script cannot rot between GPU runs. Checks whose code has not landed (the vLLM
-engine, benchmarks/engines.py) are listed as not available, and join the plan by
-themselves once their files exist.
+engine's GPU wiring: R3 from its routed experts and its batch-invariant mode, with their
+tests in `VLLM_GPU_TESTS`) are listed as not available, and join the plan by themselves
+once their files exist.
 
 Only the standard library (of Python 3.9 or later) is used here: this runs before the
 environment exists, with whatever `python3` the machine has.
@@ -40,7 +41,7 @@ import gpu_check_report as report
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 480  # 8 minutes in all: a short stay on a GPU machine still leaves room for a rerun
 DRY_LIMIT_S = 180  # each rehearsal step (they run at once on a CPU that may be busy)
-VLLM_ENGINE = "packages/orchestrator/src/tandem/orchestrator/inference/vllm"
+VLLM_GPU_TESTS = "packages/orchestrator/tests/test_vllm_gpu.py"
 ENGINES_BENCH = "benchmarks/engines.py"
 UV = "(command -v uv >/dev/null || python3 -m pip install -q uv)"  # as the README says
 SYNC = ["uv", "sync", "--all-packages", "--all-extras"]
@@ -91,14 +92,16 @@ def stray_gpu_tests(step: Step, repo: Path) -> list[str]:
     )
 
 
-def _bench(name: str, limit: int, what: str, script: str, *args: str) -> Step:
+def _bench(
+    name: str, limit: int, what: str, script: str, *args: str, needs: list[str] | None = None
+) -> Step:
     return Step(
         name,
         limit,
         what,
         device=["{py}", script, "--gpu", *args],
         dry=["{py}", script, "--help"],
-        needs=[script],
+        needs=[script, *(needs or [])],
     )
 
 
@@ -162,14 +165,15 @@ def plan(root: Path = ROOT) -> list[Step]:
             "embedded vs vLLM engine on the GPU: log-prob gap, routing agreement (R3, "
             "VLLM_BATCH_INVARIANT=1)",
             ENGINES_BENCH,
+            needs=[VLLM_GPU_TESTS],
         ),
         Step(
             "tests:vllm",
             30,
             "vLLM with R3 and batch-invariant mode: log-prob gap and routing agreement 0",
-            device=_pytest(["packages"], "-rs", "-k", "vllm"),
-            dry=_pytest(["packages"], "--collect-only", "-k", "vllm"),
-            needs=[VLLM_ENGINE],
+            device=_pytest([VLLM_GPU_TESTS], "-rs"),
+            dry=_pytest([VLLM_GPU_TESTS], "--collect-only"),
+            needs=[VLLM_GPU_TESTS],
         ),
     ]
     for step in steps:

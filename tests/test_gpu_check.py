@@ -56,7 +56,7 @@ def test_dry_run_rehearses_every_check_and_its_summary_reads_back(gc, tmp_path: 
     rows = {r.check: r for r in summary.rows}
     for name in ("tests:moe-determinism", "tests:delta-sync", "tests:orchestrator"):
         assert "gpu tests collected" in rows[name].figures
-    engines = (ROOT / "benchmarks" / "engines.py").exists()
+    engines = all((ROOT / f).exists() for f in (gc.ENGINES_BENCH, gc.VLLM_GPU_TESTS))
     assert (rows["bench:engines"].status == "not available") is not engines
     assert "torch" in summary.versions and summary.gpu.startswith("none (dry run")
     assert (tmp_path / "logs" / "tests-delta-sync.log").exists()
@@ -86,7 +86,12 @@ def test_a_missing_check_is_not_available_and_joins_once_its_files_exist(gc, tmp
     assert all(s.missing.startswith("not available") for s in bare.values())
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "engines.py").write_text("")
-    assert not {s.name: s for s in gc.plan(tmp_path)}["bench:engines"].missing
+    assert {s.name: s for s in gc.plan(tmp_path)}["bench:engines"].missing  # GPU wiring too
+    gpu_tests = tmp_path / gc.VLLM_GPU_TESTS
+    gpu_tests.parent.mkdir(parents=True)
+    gpu_tests.write_text("")
+    joined = {s.name: s for s in gc.plan(tmp_path)}
+    assert not joined["bench:engines"].missing and not joined["tests:vllm"].missing
 
 
 def _step(gc, name: str, limit: int, code: str):

@@ -18,6 +18,7 @@ EXPECTED = {
     "packages/delta-sync": ("tandem-delta-sync", "tandem.delta_sync"),
     "packages/agent-env": ("tandem-agent-env", "tandem.agent_env"),
     "packages/orchestrator": ("tandem-orchestrator", "tandem.orchestrator"),
+    "packages/vllm-plugin": ("tandem-vllm-plugin", "tandem.vllm_plugin"),
     "apps/tandem": ("tandem-rl", "tandem.app"),
 }
 LEAVES = ["tandem-moe-determinism", "tandem-grpo", "tandem-delta-sync", "tandem-agent-env"]
