@@ -10,7 +10,6 @@ trainer's: the trainer scores every sample again, and the run reports the gap.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -192,6 +191,6 @@ class VllmRollouts:
 
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)
-        with contextlib.suppress(Exception):
-            await self.engine.close()
-            await asyncio.gather(*(w.close() for w in self.weights))
+        await asyncio.gather(
+            self.engine.close(), *(w.close() for w in self.weights), return_exceptions=True
+        )

@@ -76,7 +76,6 @@ class VllmEngine:
         self._slots = asyncio.Semaphore(slots)
         self._context: dict[int, list[int]] = {}
         self._client: httpx.AsyncClient | None = None
-        self.requests = 0
         self.tokens_fed = 0  # what each turn added to its context (vLLM's cache holds the rest)
         self.tokens_sampled = 0
 
@@ -190,7 +189,6 @@ class VllmEngine:
             )
         if r.status_code != 200:
             raise EngineStopped(f"vLLM server {url} answered HTTP {r.status_code}: {r.text[:500]}")
-        self.requests += 1
         choices = r.json().get("choices") or []
         if len(choices) != 1:
             raise EngineStopped(f"vLLM server {url} returned {len(choices)} choices, not 1")
