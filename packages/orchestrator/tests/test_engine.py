@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,42 @@ def test_shared_prefixes_are_copied_without_changing_a_bit(
     origins = shared.cache.origins
     named = origins != torch.arange(origins.shape[0])[:, None]
     assert int(named.sum()) >= 3 * ((len(task) - 1) // shared.cache.split) > 0
+
+
+def test_a_slot_taken_while_a_step_runs_changes_nothing_the_step_reads(
+    chat, tiny_policy, make_engine, helpers
+) -> None:
+    """Episodes take slots on the event loop while a step runs in the serving thread. Taking
+    one must not clear its cache there and then: clearing rewrites the origins other slots
+    read their shared KV splits from and the prefix index a step copies from, and here the
+    slot taken is the very donor the running step copied its prompt from. The slot is cleared
+    by the next step, before it admits anything, and every sample is what it is without
+    sharing."""
+    task = helpers.prompt(chat, "a prompt long enough to share a few whole KV splits of it")
+    engine = make_engine(tiny_policy, max_slots=2)
+    helpers.drive(engine, chat, [(task, [], 41)])  # slot 0 computes it, then is released
+    forward, taken = engine._forward, []
+
+    def forward_while_a_slot_is_taken(batch):
+        if not taken:  # the first step: slot 1 has just copied the prompt from slot 0
+            seen = (engine.cache.lengths.clone(), engine.cache.origins.clone())
+            versions = engine.prefixes.versions.copy()
+            thread = threading.Thread(target=lambda: taken.append(engine.acquire()))
+            thread.start()
+            thread.join()
+            assert taken == [0] and engine.context_length(0) == 0
+            assert torch.equal(engine.cache.lengths, seen[0])
+            assert torch.equal(engine.cache.origins, seen[1])
+            assert np.array_equal(engine.prefixes.versions, versions)
+        return forward(batch)
+
+    engine._forward = forward_while_a_slot_is_taken
+    got = helpers.drive(engine, chat, [(task, [], 42)])
+    assert taken == [0] and engine.stats.tokens_reused == len(task) - 1
+    assert int(engine.cache.lengths[0]) == 0 and engine.prefixes.versions[0] == -1
+    assert (engine.cache.origins[1] == 1).all()  # its copied splits are its own again
+    assert _same_samples(got, helpers.drive(make_engine(tiny_policy), chat, [(task, [], 42)]))
+    engine.release(0)
 
 
 def test_no_prefix_is_shared_across_weight_versions(

@@ -85,7 +85,11 @@ class EngineStats:
 
 
 class InferenceEngine:
-    """Batched generation over a fixed number of KV-cache slots (not thread-safe for `step`)."""
+    """Batched generation over a fixed number of KV-cache slots.
+
+    One thread steps it; `acquire`, `release`, `cancel`, `submit` and `stage_update` may be
+    called from another (the event loop) while a step runs: they touch only the slot lists
+    and request queues, under a lock, never the cache a step reads."""
 
     def __init__(
         self,
@@ -121,6 +125,8 @@ class InferenceEngine:
         )
         # least recently released first: a released slot's cache stays a prefix donor longest
         self._free = collections.deque(range(config.max_slots))
+        # acquired slots whose cache `step` has yet to clear (see `acquire`)
+        self._fresh: set[int] = set()
         self._active: dict[int, _Active] = {}
         self._incoming: list[_Active] = []
         self._lock = threading.Lock()
@@ -136,7 +142,13 @@ class InferenceEngine:
         return len(self._free)
 
     def acquire(self) -> int:
-        """A fresh slot for a new episode."""
+        """A fresh slot for a new episode.
+
+        Its cache is cleared by `step`, before the step admits any turn, never here:
+        clearing a slot rewrites which slots other slots read their shared KV splits from
+        (`KVCache.origins`) and the prefix index, and a step running meanwhile in the
+        serving thread may be reading them or copying a prefix from this very slot.
+        """
         with self._lock:
             if not self._free:
                 raise EngineError(
@@ -144,10 +156,16 @@ class InferenceEngine:
                     "run fewer episodes at once"
                 )
             slot = self._free.popleft()
-        self.cache.reset(slot)
-        if self.prefixes is not None:
-            self.prefixes.reset(slot)
+            self._fresh.add(slot)
         return slot
+
+    def _clear_fresh_slots(self) -> None:
+        """Clear the caches of the slots acquired since the last step (holding the lock)."""
+        for slot in sorted(self._fresh):
+            self.cache.reset(slot)
+            if self.prefixes is not None:
+                self.prefixes.reset(slot)
+        self._fresh.clear()
 
     def release(self, slot: int) -> None:
         with self._lock:
@@ -162,6 +180,9 @@ class InferenceEngine:
             self._incoming = [a for a in self._incoming if a.slot != slot]
 
     def context_length(self, slot: int) -> int:
+        with self._lock:
+            if slot in self._fresh:
+                return 0
         return int(self.cache.lengths[slot])
 
     # -- requests --------------------------------------------------------------------------
@@ -252,6 +273,7 @@ class InferenceEngine:
         if may_update:
             self.apply_pending()
         with self._lock:
+            self._clear_fresh_slots()
             admitted: list[_Active] = []
             waiting = [req for req in self._incoming if not self._admit(req, admitted)]
             for req in admitted:
@@ -282,7 +304,7 @@ class InferenceEngine:
         if ahead - count >= DEFER_MIN_TOKENS:
             return False
         if count:
-            end = self.context_length(req.slot) + count
+            end = int(self.cache.lengths[req.slot]) + count  # fresh slots are clear now
             self.cache.copy_prefix(donor, req.slot, end)
             req.routes.append(self.prefixes.take(donor, req.slot, count))
             req.to_feed = req.to_feed[count:]
@@ -328,7 +350,7 @@ class InferenceEngine:
         a.versions.append(self.version)
         a.min_version = min(a.min_version, self.version)
         a.max_version = max(a.max_version, self.version)
-        full = self.context_length(a.slot) + 1 >= self.config.max_len
+        full = int(self.cache.lengths[a.slot]) + 1 >= self.config.max_len
         cut = a.keep_going is not None and not a.keep_going(tok)
         if tok == self.stop_id or len(a.tokens) >= a.max_new_tokens or full or cut:
             return a.slot, self._finish(a, truncated=tok != self.stop_id)
