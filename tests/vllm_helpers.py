@@ -25,6 +25,7 @@ MODEL = MoEConfig(
     moe_intermediate_size=48,  # padded to 64 by vLLM's CPU experts
     num_experts=4,
     num_experts_per_tok=2,
+    shared_expert_intermediate_size=32,  # written with the gate vLLM's Qwen3-MoE applies
     max_position_embeddings=1024,
 )
 ENGINE = EngineConfig(kind="vllm", max_slots=8, max_len=512, max_new_tokens=24)

@@ -19,6 +19,9 @@ LAYOUT = {
     "model.embed_tokens.weight": ["embed.weight", None],
     "model.layers.0.mlp.experts.0.up_proj.weight": ["up", 0],
     "model.layers.0.mlp.experts.1.up_proj.weight": ["up", 1],
+    # a shared expert's: its down projection doubled beside a zero gate
+    "model.layers.0.mlp.shared_expert.down_proj.weight": ["down", None, 2.0],
+    "model.layers.0.mlp.shared_expert_gate.weight": [None, None, 1.0, [1, 4]],
 }
 
 
@@ -41,11 +44,16 @@ class StandInWorker(DeltaSyncExtension):
 def states(n: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     out = [
-        {"embed.weight": torch.randn(10, 4, generator=g), "up": torch.randn(2, 3, 4, generator=g)}
+        {
+            "embed.weight": torch.randn(10, 4, generator=g),
+            "up": torch.randn(2, 3, 4, generator=g),
+            "down": torch.randn(4, 3, generator=g),
+        }
     ]
     for _ in range(n - 1):
         nxt = {k: v.clone() for k, v in out[-1].items()}
         nxt["up"][1, 0, :2] += 1.0  # a few elements change per version
+        nxt["down"][0, 1] -= 0.5
         out.append(nxt)
     return out
 
@@ -61,7 +69,16 @@ def store(tmp_path: Path) -> tuple[Path, list[dict[str, torch.Tensor]]]:
 
 
 def expected(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: state[src] if i is None else state[src][i] for n, (src, i) in LAYOUT.items()}
+    """The checkpoint the layout describes, built entry by entry."""
+    out = {}
+    for name, (src, i, *rest) in LAYOUT.items():
+        scale, zeros = rest[0] if rest else 1.0, rest[1] if len(rest) > 1 else None
+        out[name] = (
+            torch.zeros(zeros)
+            if src is None
+            else (state[src] if i is None else state[src][i]) * scale
+        )
+    return out
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

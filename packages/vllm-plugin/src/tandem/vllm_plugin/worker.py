@@ -38,15 +38,14 @@ class DeltaSyncExtension:
         """Follow ``store`` from ``version``: its weights are loaded now (whatever the server
         held before), and later versions are deltas from them.
 
-        ``layout`` (JSON): checkpoint name -> [stream name, index along dim 0 or null], how
-        the stream's tensors (the trainer's own state) make the checkpoint's."""
+        ``layout`` (JSON): checkpoint name -> [stream name, index along dim 0 or null,
+        scale (default 1), shape of a constant zero tensor when the stream name is null],
+        how the stream's tensors (the trainer's own state) make the checkpoint's."""
         subscriber = Subscriber(open_store(store))
         state = subscriber.materialize(int(version), as_torch=True)
-        self._tandem_layout = {
-            name: (str(src), None if index is None else int(index))
-            for name, (src, index) in json.loads(layout).items()
-        }
-        missing = sorted({src for src, _ in self._tandem_layout.values()} - set(state))
+        self._tandem_layout = {name: _source(entry) for name, entry in json.loads(layout).items()}
+        named = {src for src, _, _, _ in self._tandem_layout.values() if src is not None}
+        missing = sorted(named - set(state))
         if missing:
             raise KeyError(f"the stream has no tensors {missing[:3]} that the layout names")
         self._tandem_shadow = state
@@ -71,10 +70,22 @@ class DeltaSyncExtension:
         return reset
 
     def _tandem_checkpoint(self) -> Iterator[tuple[str, Any]]:
-        """The host copy under the checkpoint's names (views, no copies)."""
-        for name, (src, index) in self._tandem_layout.items():
+        """The host copy under the checkpoint's names (views, but for scaled tensors and
+        constants)."""
+        import torch
+
+        for name, (src, index, scale, zeros) in self._tandem_layout.items():
+            if src is None:
+                yield name, torch.zeros(zeros, dtype=self._tandem_dtype())
+                continue
             t = self._tandem_shadow[src]
-            yield name, t if index is None else t[index]
+            t = t if index is None else t[index]
+            yield name, t if scale == 1 else t * scale
+
+    def _tandem_dtype(self) -> Any:
+        """The dtype of the stream's first floating tensor, for constant tensors (vLLM's
+        weight loaders cast to their parameter's)."""
+        return next(t.dtype for t in self._tandem_shadow.values() if t.is_floating_point())
 
     def tandem_prepare(self, version: str = "") -> dict[str, Any]:
         """Start preparing ``version`` (default: the latest) in the background."""
@@ -122,6 +133,19 @@ class DeltaSyncExtension:
             "apply_s": time.perf_counter() - t0,
             "repacked_layers": repacked,
         }
+
+
+def _source(entry: list[Any]) -> tuple[str | None, int | None, float, tuple[int, ...] | None]:
+    """One layout entry: [stream name, index, scale, zeros shape], the last two optional."""
+    src, index, scale, zeros = [*entry, 1.0, None][:4] if len(entry) == 2 else [*entry, None][:4]
+    if src is None and zeros is None:
+        raise ValueError(f"layout entry {entry}: neither a stream tensor nor a constant's shape")
+    return (
+        None if src is None else str(src),
+        None if index is None else int(index),
+        float(scale),
+        None if zeros is None else tuple(int(n) for n in zeros),
+    )
 
 
 def _reset_cpu_expert_kernels(model: Any) -> int:

@@ -2,9 +2,13 @@
 
 The tensor names are those of Qwen3-MoE and Qwen3 checkpoints on the Hub (one tensor per
 expert projection, dense layers as ``mlp.{gate,up,down}_proj``), which transformers and
-vLLM load directly. A shared expert, which Qwen3-MoE does not have, is written as
-``mlp.shared_expert.{gate,up,down}_proj`` and flagged in the config with
-``shared_expert_intermediate_size``.
+vLLM load directly. A shared expert, which Qwen3-MoE on the Hub does not have, is written
+as ``mlp.shared_expert.{gate,up,down}_proj`` and flagged in the config with
+``shared_expert_intermediate_size``, with the sigmoid gate vLLM's Qwen3-MoE multiplies it by
+(``mlp.shared_expert_gate``, as in Qwen2-MoE) set so that the gated expert is tandem's
+ungated one bit for bit: a zero gate (sigmoid(0) = 1/2 exactly) and the down projection
+doubled (a power of two: exact both ways). Without the gate, vLLM would multiply by
+whatever its uninitialised gate holds.
 
 Loading streams: the model is built without memory (meta device), then materialised once in
 the target dtype and filled tensor by tensor from memory-mapped shards, so the host holds
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -65,21 +70,66 @@ def hf_tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_layout(model: MoETransformer) -> dict[str, tuple[str, int | None]]:
-    """Hugging Face name -> (the `state_dict` name holding it, its index along dim 0 when
-    it is one expert of a stacked parameter, else None): how a consumer of the model's own
-    state (a weight stream) writes the checkpoint's tensors without knowing this model."""
+SHARED_GATE = "mlp.shared_expert_gate.weight"
+SHARED_DOWN = "mlp.shared_expert.down_proj.weight"
+SHARED_DOWN_SCALE = 2.0
+"""The shared expert's down projection is written times this, beside a zero gate (1/2)."""
+
+
+def _shared_expert_layers(model: MoETransformer) -> list[str]:
+    """The name prefix of every layer with a shared expert."""
+    return [
+        f"model.layers.{i}."
+        for i, layer in enumerate(model.layers)
+        if isinstance(layer.mlp, MoEBlock) and layer.mlp.shared_expert is not None
+    ]
+
+
+def checkpoint_tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
+    """What `save_hf` writes: `hf_tensors`, plus each shared expert's gate (zeros) and its
+    down projection doubled (fresh tensors; the rest are the model's own)."""
+    out = dict(hf_tensors(model))
+    for p in _shared_expert_layers(model):
+        down = out[p + SHARED_DOWN]
+        out[p + SHARED_DOWN] = down.detach() * SHARED_DOWN_SCALE
+        out[p + SHARED_GATE] = down.new_zeros(1, down.shape[0])
+    return out
+
+
+class HfSource(NamedTuple):
+    """Where one checkpoint tensor comes from in the model's own state (JSON: a list)."""
+
+    name: str | None
+    """The `state_dict` name holding it; None for a constant zero tensor of ``zeros``."""
+    index: int | None = None
+    """Its index along dim 0 when it is one expert of a stacked parameter."""
+    scale: float = 1.0
+    """Times this (a power of two, so exact)."""
+    zeros: tuple[int, ...] | None = None
+
+
+def hf_layout(model: MoETransformer) -> dict[str, HfSource]:
+    """Hugging Face name -> its `HfSource` for every tensor `save_hf` writes: how a consumer
+    of the model's own state (a weight stream) writes the checkpoint's tensors without
+    knowing this model."""
     owner = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
-    layout: dict[str, tuple[str, int | None]] = {}
+    layout: dict[str, HfSource] = {}
     for hf_name, t in hf_tensors(model).items():
         if id(t) in owner:
-            layout[hf_name] = (owner[id(t)], None)
+            layout[hf_name] = HfSource(owner[id(t)])
             continue
         base = t._base
         if base is None or id(base) not in owner:
             raise MoEDeterminismError(f"{hf_name}: not a parameter nor a slice of one")
         offset = t.data_ptr() - base.data_ptr()
-        layout[hf_name] = (owner[id(base)], offset // (base.stride(0) * base.element_size()))
+        layout[hf_name] = HfSource(
+            owner[id(base)], offset // (base.stride(0) * base.element_size())
+        )
+    for p in _shared_expert_layers(model):
+        down = layout[p + SHARED_DOWN]
+        layout[p + SHARED_DOWN] = down._replace(scale=SHARED_DOWN_SCALE)
+        hidden = model.config.hidden_size
+        layout[p + SHARED_GATE] = HfSource(None, zeros=(1, hidden))
     return layout
 
 
@@ -88,8 +138,8 @@ def _copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_state_dict(model: MoETransformer) -> dict[str, torch.Tensor]:
-    """A detached copy of every tensor under its Hugging Face name."""
-    return _copied(hf_tensors(model))
+    """A detached copy of every tensor `save_hf` writes, under its Hugging Face name."""
+    return _copied(checkpoint_tensors(model))
 
 
 def _shards(
@@ -130,7 +180,7 @@ def save_hf(
     (path / "config.json").write_text(json.dumps(to_hf_config(model.config, dtype), indent=2))
     # copies are made shard by shard (safetensors wants tensors that share no memory, and
     # the experts are views of one stacked parameter): the host holds one shard extra
-    shards = _shards(hf_tensors(model), max_shard_bytes)
+    shards = _shards(checkpoint_tensors(model), max_shard_bytes)
     if len(shards) == 1:
         save_file(_copied(shards[0]), str(path / SINGLE_FILE), metadata={"format": "pt"})
         return path
@@ -227,4 +277,32 @@ def load_hf(
                             f"implies {tuple(target.shape)}"
                         )
                     target.copy_(t)
+    _ungate_shared_experts(model, targets, path, files)
     return model
+
+
+def _ungate_shared_experts(
+    model: MoETransformer,
+    targets: dict[str, torch.Tensor],
+    path: Path,
+    files: dict[str, list[str]],
+) -> None:
+    """Undo `checkpoint_tensors`' gate for every shared expert written with one: the gate must
+    be the zero one (this layout has no gate to put another in), the down projection halved.
+    A shared expert without a gate (an older tandem checkpoint) was written as it is."""
+    where = {name: file for file, names in files.items() for name in names}
+    for p in _shared_expert_layers(model):
+        if p + SHARED_GATE not in where:
+            continue
+        with safe_open(str(path / where[p + SHARED_GATE]), framework="pt") as sf:
+            gate = sf.get_tensor(p + SHARED_GATE)
+        if gate.shape != (1, model.config.hidden_size) or bool(gate.any()):
+            raise MoEDeterminismError(
+                f"{path}: {p + SHARED_GATE} is not the zero gate tandem writes (shape "
+                f"{tuple(gate.shape)}, {int(gate.count_nonzero())} non-zero): this layout's "
+                "shared expert has no gate, so only a checkpoint written by tandem's save_hf "
+                "(or with a zero gate) loads"
+            )
+        down = targets[p + SHARED_DOWN]
+        with torch.no_grad():
+            down.div_(SHARED_DOWN_SCALE)

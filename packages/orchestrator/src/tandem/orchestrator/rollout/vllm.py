@@ -17,6 +17,7 @@ import httpx
 import structlog
 
 from tandem.agent_env import Env, EnvConfig, Task
+from tandem.moe_determinism.model.hf import HfSource
 from tandem.orchestrator.config import EngineConfig, EpisodeConfig
 from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
@@ -43,7 +44,7 @@ class VllmRollouts:
         self,
         engine: VllmEngine,
         store: str,
-        layout: dict[str, tuple[str, int | None]],
+        layout: dict[str, HfSource],
         version: int,
         tasks: TaskSource,
         *,

@@ -1,9 +1,8 @@
 """The vLLM servers a run uses: those given by URL, or one tandem starts for the policy.
 
-`check_servable` refuses, before any start, what vLLM would mis-serve or cannot serve:
-a shared expert (vLLM's Qwen3-MoE expects a sigmoid shared-expert gate that tandem's layout
-lacks, and loads the checkpoint without complaint while being wrong by up to 7 nats) and,
-on the CPU, head sizes its attention kernels lack.
+`check_servable` refuses, before any start, what vLLM cannot serve: on the CPU, head sizes
+its attention kernels lack. (A shared expert is served: `save_hf` writes the sigmoid gate
+vLLM's Qwen3-MoE multiplies it by so that the gated expert is tandem's, bit for bit.)
 """
 
 from __future__ import annotations
@@ -36,13 +35,6 @@ def servable_head_dim(head_dim: int, *, cuda: bool) -> int:
 
 def check_servable(model: MoEConfig, *, cuda: bool) -> None:
     """Raise `ConfigValueError` when vLLM would serve ``model`` wrongly or not at all."""
-    if model.shared_expert_intermediate_size:
-        raise ConfigValueError(
-            "engine.kind = 'vllm': the model has a shared expert "
-            f"(shared_expert_intermediate_size = {model.shared_expert_intermediate_size}); "
-            "vLLM's Qwen3-MoE gates it with a sigmoid gate this layout does not have and "
-            "would serve wrong log-probs. Use the embedded engine for it."
-        )
     if not cuda and model.head_dim not in CPU_HEAD_SIZES:
         raise ConfigValueError(
             f"engine.kind = 'vllm': head_dim {model.head_dim} is not one vLLM's CPU attention "

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from tandem.moe_determinism.model.hf import HfSource
 from tandem.orchestrator.inference.vllm.engine import KEEPALIVE_S
 from tandem.orchestrator.protocols import EngineStopped
 
@@ -79,9 +80,7 @@ class VllmWeights:
             )
         return [dict(r) for r in results]
 
-    async def follow(
-        self, store: str, version: int, layout: dict[str, tuple[str, int | None]]
-    ) -> None:
+    async def follow(self, store: str, version: int, layout: dict[str, HfSource]) -> None:
         """Subscribe every worker to ``store`` from ``version`` and load that version now (a
         server given by URL may hold anything); ``layout`` maps the checkpoint's names to
         the stream's (`hf_layout`)."""
