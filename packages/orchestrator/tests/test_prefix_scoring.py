@@ -106,6 +106,7 @@ def test_step_with_shared_prefixes_matches_step_without(
         metrics = trainer.step(groups, 0)
         assert metrics["step_applied"] == 1.0
         assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_tokens"] > 0
+        assert metrics["trainer_replay"] == "R3"  # the engine's routes, every sample
         # the group of one has no signal: the trainer scores the group of four only
         fed = sum(len(s.tokens) - 1 for s in groups[0])
         shared = (len(groups[0]) - 1) * _common_prefix(groups[0]) if share else 0
@@ -136,3 +137,26 @@ def test_rows_without_a_token_to_score_give_zeros(chat, tiny_policy, make_engine
     batch = collate([short])
     assert len(SharedLayout(batch, match_routes=True).tokens) == 0
     assert torch.equal(score_shared(tiny_policy, batch, "R3"), torch.zeros(2, 1))
+
+
+def test_samples_without_routes_are_replayed_from_the_trainers_own_routes(
+    chat, tiny_policy, make_engine, helpers
+) -> None:
+    """R3 needs the engine's experts; samples whose engine reported none (vLLM on a CPU) are
+    scored as R2 would score them, bit for bit, and the step says so."""
+    groups, _ = _group_samples(chat, tiny_policy, make_engine, helpers)
+    unknown = [
+        [msgspec.structs.replace(s, routes=np.full(s.routes.shape, -1, np.int16)) for s in g]
+        for g in groups
+    ]
+    runs = {}
+    for name, replay, played in (("R3, none known", "R3", unknown), ("R2", "R2", groups)):
+        model = clone_model(tiny_policy)
+        config = TrainerConfig(lr=1e-2, routing_check_rows=2, replay=replay)
+        metrics = RLTrainer(model, config).step(played, 0)
+        runs[name] = (metrics, {n: p.detach().clone() for n, p in model.named_parameters()})
+    (fallback, after_fallback), (r2, after_r2) = runs.values()
+    assert fallback["trainer_replay"] == r2["trainer_replay"] == "R2"
+    assert fallback["mismatch_max_abs"] == r2["mismatch_max_abs"]
+    assert all(torch.equal(after_fallback[n], t) for n, t in after_r2.items())
+    assert not any(k.startswith("routing_agreement") for k in fallback)  # nothing to compare

@@ -97,13 +97,15 @@ def _run_rows(
 
     hist = summary.staleness_histogram
     n_eval = f"{before.tasks} tasks x {before.samples_per_task}"
-    replay_mode = config.trainer.replay
+    used = sorted({str(r["trainer_replay"]) for r in records if r.get("trainer_replay")})
+    replay_mode = "/".join(used) or config.trainer.replay
     if config.engine.kind == "vllm":
         engine = (
             f"vLLM server (rollouts and evaluations), model head_dim {config.model.head_dim}; "
-            f"the trainer replays {replay_mode}, its own routes: vLLM reports no routed "
-            "experts here"
+            f"the trainer replays {replay_mode}"
         )
+        if config.trainer.replay == "R3" and "R2" in used:
+            engine += ", its own routes where vLLM reported no routed experts"
     else:
         engine = "embedded (the trainer's numerics, bit for bit)"
     return [

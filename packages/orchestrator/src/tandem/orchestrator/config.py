@@ -358,9 +358,6 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.model.path:  # the checkpoint's shapes, checked
             self.model = with_checkpoint_shapes(self.model, byte_level_model(), name="model")
-        if self.engine.kind == "vllm" and self.trainer.replay == "R3":
-            # vLLM reports no routed experts to replay: the trainer replays its own (R2)
-            self.trainer = msgspec.structs.replace(self.trainer, replay="R2")
         _require(
             self.trainer.processes <= self.rl.groups_per_step,
             "trainer.processes",

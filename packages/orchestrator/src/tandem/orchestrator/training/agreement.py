@@ -17,7 +17,7 @@ import torch
 
 from tandem.grpo import RolloutBatch
 from tandem.moe_determinism import MoETransformer, compare_logprobs, routing_agreement
-from tandem.orchestrator.training.scoring import ScoredPass, score
+from tandem.orchestrator.training.scoring import ScoredPass, routes_known, score
 
 
 def mismatch(
@@ -62,8 +62,9 @@ def routing_check(
     """``n_check`` rows (same-version first) re-scored with and without replay, no gradient:
     how often the trainer routing freely picks the engine's experts."""
     out: dict[str, Any] = {}
-    known = bool(batch.extras.get("routes_known", torch.tensor(True)))
-    if n_check > 0 and model.config.moe_layers and known:  # a dense model has no routes
+    if (
+        n_check > 0 and model.config.moe_layers and routes_known(batch)
+    ):  # a dense model has no routes
         order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
         sub = batch.select(order)
         with torch.no_grad():

@@ -66,6 +66,11 @@ def score(
     return lp, out.route_ids, out.counts
 
 
+def routes_known(batch: RolloutBatch) -> bool:
+    """Whether every sample of ``batch`` carries the experts its engine used (`collate`)."""
+    return bool(batch.extras.get("routes_known", torch.tensor(True)))
+
+
 class ScoredPass(NamedTuple):
     """What the forward hook computed for one micro-batch: its rows, their detached
     log-probs, the tokens fed, and the prefix tokens sharing did not feed again."""
@@ -92,16 +97,27 @@ class ReplayScorer:
         self.vocab = vocab  # the tokenizer's ids (a padded embedding's rows past it are not)
         self.share_prefixes = share_prefixes
         self.captured: list[ScoredPass] = []
+        self.replayed: set[str] = set()  # the modes `logprobs` used (see `replay_for`)
+
+    def replay_for(self, micro: RolloutBatch) -> str:
+        """The run's replay mode, but R2 for R3 on samples whose engine did not report the
+        experts it used (vLLM without routed-expert capture, as on a CPU): the trainer then
+        replays its own no-grad routes, the closest it can come."""
+        if self.replay == "R3" and not routes_known(micro):
+            return "R2"
+        return self.replay
 
     def logprobs(
         self, model: torch.nn.Module, micro: RolloutBatch
     ) -> tuple[torch.Tensor, int, int]:
         """Log-probs [B, T] of ``micro`` under ``model``, the tokens fed, the tokens shared."""
+        replay = self.replay_for(micro)
+        self.replayed.add(replay)
         if self.share_prefixes:
-            layout = SharedLayout(micro, match_routes=self.replay == "R3")
-            lp = score_shared(model, micro, self.replay, self.temperature, layout, self.vocab)  # type: ignore[arg-type]
+            layout = SharedLayout(micro, match_routes=replay == "R3")
+            lp = score_shared(model, micro, replay, self.temperature, layout, self.vocab)  # type: ignore[arg-type]
             return lp, len(layout.tokens), layout.shared_tokens
-        lp, _, counts = score(model, micro, self.replay, self.temperature, self.vocab)  # type: ignore[arg-type]
+        lp, _, counts = score(model, micro, replay, self.temperature, self.vocab)  # type: ignore[arg-type]
         return lp, sum(counts), 0
 
     def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:

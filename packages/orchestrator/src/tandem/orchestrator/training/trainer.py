@@ -97,6 +97,7 @@ class RLTrainer:
             batch = shard_by_group(batch, self.rank, self.world)
             batch.extras["row"] = torch.arange(batch.num_sequences)
         self.hook.captured.clear()
+        self.hook.replayed.clear()
         same = (batch.policy_version == version) & (batch.extras["max_version"] == version)
         with batch_invariant(self.deterministic):
             if self.reference is not None:
@@ -120,6 +121,7 @@ class RLTrainer:
         # one pass over the batch: tokens fed, and the prefix tokens sharing did not repeat
         metrics["trainer_tokens_fed"] = sum(p.tokens_fed for p in self.hook.captured)
         metrics["trainer_tokens_shared"] = sum(p.tokens_shared for p in self.hook.captured)
+        metrics["trainer_replay"] = "+".join(sorted(self.hook.replayed)) or self.config.replay
         return {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in metrics.items()
