@@ -35,7 +35,14 @@ PROMPT = [1, 3, 70, 105, 120, 32, 116, 104, 101, 32, 98, 117, 103, 7, 4, 104, 10
 
 def engine_on(url: str, **kw: object) -> VllmEngine:
     return VllmEngine(
-        [url], ENGINE, stop_id=STOP, vocab=266, model_vocab=266, route_shape=(2, 2), **kw
+        [url],
+        ENGINE,
+        stop_id=STOP,
+        vocab=266,
+        model_vocab=266,
+        route_shape=(len(MODEL.moe_layers), MODEL.num_experts_per_tok),
+        moe_layers=MODEL.moe_layers,
+        **kw,
     )
 
 

@@ -125,7 +125,7 @@ def test_rl_steps_train_and_publish_on_vllm(vllm_served, tmp_path: Path) -> None
         trainer=TrainerConfig(lr=1e-2, routing_check_rows=2),
         rl=RLConfig(steps=3, group_size=4, groups_per_step=2, checkpoint_every=3),
     )
-    assert config.trainer.replay == "R2"  # vLLM reports no routes to replay here
+    assert config.trainer.replay == "R3"  # asked for; the samples carry no routes here
     policy = MoETransformer(MODEL).eval()
     policy.load_state_dict(model.state_dict())
     published: list[int] = []
@@ -142,6 +142,7 @@ def test_rl_steps_train_and_publish_on_vllm(vllm_served, tmp_path: Path) -> None
     assert summary.pause_s and max(summary.pause_s) < 10
     assert not any(k.startswith("routing_agreement") for k in summary.last_metrics)
     records = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").open()]
+    assert {r["trainer_replay"] for r in records} == {"R2"}  # so the trainer's own routes
     gaps = [r["mismatch_max_abs"] for r in records if r.get("mismatch_max_abs") is not None]
     assert gaps and max(gaps) < 1e-3  # fp32 vLLM against the trainer's batch-invariant ops
 

@@ -15,8 +15,9 @@ What a turn returns matches the embedded engine's `TurnOutput`:
   tandem did not set, such as vLLM's ``"default"``, counts as ``initial_version``);
 - the turn ends at the stop token, the budget, or the first token ``keep_going`` rejects,
   applied to what the server returns (the tokens after it are dropped, as if never sampled);
-- routes: the experts vLLM reports (``routed_experts``, on GPU builds that enable it), else
-  -1 for every expert, which the trainer's R3 replay cannot use (R2 scores its own routes).
+- routes: the experts vLLM reports (``routed_experts``: on CUDA, where tandem starts its
+  servers with them; vLLM records every layer, the MoE layers are kept), else -1 for every
+  expert, which the trainer's R3 replay cannot use (it replays its own routes then: R2).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from tandem.moe_determinism.model.config import MoEConfig
 from tandem.orchestrator.inference.engine_config import EngineConfig
 from tandem.orchestrator.inference.formats import AnyChatFormat
-from tandem.orchestrator.inference.vllm.errors import VllmRequestRefused
+from tandem.orchestrator.inference.vllm.errors import VllmReplyMismatch, VllmRequestRefused
 from tandem.orchestrator.protocols import EngineStopped
 from tandem.orchestrator.wire import TurnOutput
 
@@ -59,6 +60,7 @@ class VllmEngine:
         vocab: int,
         model_vocab: int,
         route_shape: tuple[int, int],
+        moe_layers: Sequence[int] = (),
         initial_version: int = 0,
     ) -> None:
         if not urls:
@@ -67,6 +69,7 @@ class VllmEngine:
         self.config = config
         self.stop_id = stop_id
         self.route_shape = route_shape
+        self.moe_layers = list(moe_layers)  # their indices among all layers (vLLM's rows)
         self.initial_version = initial_version
         # sample only the tokenizer's ids when the model's vocabulary is padded beyond it
         self._allowed = list(range(vocab)) if model_vocab > vocab else None
@@ -97,6 +100,7 @@ class VllmEngine:
             vocab=chat.tok.vocab_size,
             model_vocab=model.vocab_size,
             route_shape=(len(model.moe_layers), model.num_experts_per_tok),
+            moe_layers=model.moe_layers,
             initial_version=initial_version,
         )
 
@@ -237,12 +241,24 @@ class VllmEngine:
         return versions
 
     def _routes(self, encoded: str | None, before: int, rows: int) -> np.ndarray:
+        """The experts of this turn's rows: vLLM's rows cover the whole request (context
+        and output but the last token) and every layer, a dense one included."""
         layers, top_k = self.route_shape
-        if encoded:
-            routes = np.load(io.BytesIO(base64.b64decode(encoded)))
-            if routes.ndim == 3 and routes.shape[0] >= before + rows:
-                return routes[before : before + rows].astype(np.int16)
-        return np.full((rows, layers, top_k), -1, dtype=np.int16)
+        if not encoded:
+            return np.full((rows, layers, top_k), -1, dtype=np.int16)
+        routes = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+        every_layer = (
+            self.moe_layers and routes.ndim == 3 and routes.shape[1] > max(self.moe_layers)
+        )
+        if every_layer and routes.shape[1] != layers:
+            routes = routes[:, self.moe_layers]
+        if routes.ndim != 3 or routes.shape[1:] != (layers, top_k) or len(routes) < before + rows:
+            raise VllmReplyMismatch(
+                f"vLLM reported routed experts of shape {routes.shape}; a turn of {rows} new "
+                f"rows after {before} needs at least {before + rows} rows of {layers} MoE "
+                f"layers x {top_k} experts (is the server serving this policy?)"
+            )
+        return routes[before : before + rows].astype(np.int16)
 
     async def close(self) -> None:
         if self._client is not None:

@@ -17,3 +17,7 @@ class VllmServerFailed(VllmError):
 
 class VllmRequestRefused(VllmError):
     """A server refused a request as malformed (HTTP 4xx): sending it again would not help."""
+
+
+class VllmReplyMismatch(VllmError):
+    """A server's reply does not fit the policy tandem serves (another model behind the URL)."""

@@ -9,6 +9,12 @@ temperature (``--logprobs-mode processed_logprobs``) and the weight-version endp
 parent-death signal, which follows the *thread* that started it: start servers from a
 thread that outlives them, as `VllmServers` does), and `close` ends its process group.
 
+On CUDA two more settings align it with the trainer: ``--enable-return-routed-experts`` for
+an MoE policy (every turn reports the experts each token was routed to, which the trainer
+replays: R3) and, under ``engine.deterministic``, ``VLLM_BATCH_INVARIANT=1`` (vLLM's
+batch-invariant kernels: a sequence's numbers do not depend on what it is batched with).
+Neither exists in vLLM's CPU build.
+
 vLLM reports some unservable models only when the first request reaches the model (the CPU
 attention kernels' head sizes), after ``/health`` already answers: a start therefore ends
 with one short generation, and a failure there is reported with the server's own reason.
@@ -49,14 +55,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def checkpoint_dtype(model_dir: Path) -> str:
-    """The dtype config.json names (vLLM's own "auto" would serve float32 weights in 16 bits)."""
+def _hf_config(model_dir: Path) -> dict[str, object]:
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return "auto"
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype config.json names (vLLM's own "auto" would serve float32 weights in 16 bits)."""
+    config = _hf_config(model_dir)
     name = str(config.get("torch_dtype") or config.get("dtype") or "auto")
     return name.removeprefix("torch.")
+
+
+def has_experts(model_dir: Path) -> bool:
+    """Whether the checkpoint is an MoE (vLLM refuses to capture routes of a dense model)."""
+    return int(str(_hf_config(model_dir).get("num_experts") or 0)) > 0
+
+
+def server_env(engine: EngineConfig, *, cuda: bool) -> dict[str, str]:
+    """The server's environment on top of this process's."""
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": f"{engine.vllm.kv_cache_gib:g}",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if cuda and engine.deterministic:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
 
 
 def server_command(
@@ -85,6 +114,8 @@ def server_command(
     if not cuda:
         budget = max(engine.max_len, BATCHED_TOKENS)
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+    elif has_experts(model_dir):
+        command.append("--enable-return-routed-experts")
     return command + list(cfg.extra_args)
 
 
@@ -119,13 +150,7 @@ class VllmServer:
     ) -> VllmServer:
         port = free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": f"{engine.vllm.kv_cache_gib:g}",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-        }
+        env = {**os.environ, **server_env(engine, cuda=cuda)}
         env.pop("VIRTUAL_ENV", None)  # tandem's, not the server's
         command = server_command(python, model_dir, engine, port, seed, cuda=cuda)
         with open(log_path, "wb") as out:
