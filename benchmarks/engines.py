@@ -14,7 +14,12 @@ model shape, randomly initialised, with head_dim 32 (vLLM's CPU attention has no
 head size); ``--policy DIR`` takes a mid-trained one (e.g. ``runs/demo/midtrained`` of a
 demo run with ``--set model.head_dim=32``).
 
-    uv run python benchmarks/engines.py [--groups 8] [--group-size 8] [--policy DIR]
+With ``--gpu`` (run by scripts/gpu_check.sh on a CUDA machine) the embedded engine and the
+trainer's scoring run on the GPU, and the vLLM server there reports every token's experts
+and runs batch-invariant (tandem starts it so on CUDA): vLLM's samples are scored under R3
+replay, and the routing agreement of the trainer's free routing with them is printed.
+
+    uv run python benchmarks/engines.py [--groups 8] [--group-size 8] [--policy DIR] [--gpu]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from tandem.app.config import load_config
 from tandem.app.pipeline_config import PipelineConfig
 from tandem.delta_sync import LocalStore, Publisher, Subscriber
-from tandem.moe_determinism import MoETransformer, batch_invariant
+from tandem.moe_determinism import MoETransformer, batch_invariant, routing_agreement
 from tandem.moe_determinism.model.hf import hf_layout, save_hf
 from tandem.orchestrator import build_model, load_policy
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
@@ -45,7 +50,7 @@ from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.rollout.group import play_group
 from tandem.orchestrator.rollout.tasks import TaskSource
 from tandem.orchestrator.training.collate import collate
-from tandem.orchestrator.training.scoring import score
+from tandem.orchestrator.training.scoring import routes_known, score
 from tandem.orchestrator.wire import Sample
 
 
@@ -59,13 +64,25 @@ def perturbed(model: MoETransformer, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def logprob_gap(model: MoETransformer, samples: list[Sample], vocab: int) -> tuple[float, float]:
-    """max and mean |engine log-prob - trainer log-prob| over the sampled tokens."""
-    batch = collate([samples])
+def logprob_gap(
+    model: MoETransformer, samples: list[Sample], vocab: int
+) -> tuple[float, float, float]:
+    """max and mean |engine log-prob - trainer log-prob| over the sampled tokens, scored
+    under R3 replay where the engine reported its experts; and the agreement of the
+    trainer's free routing with those experts (NaN where there are none)."""
+    device = next(model.parameters()).device
+    batch = collate([samples]).to(device)
+    known = routes_known(batch)
     with torch.no_grad(), batch_invariant():
-        trainer, _, _ = score(model, batch, "none", 1.0, vocab)
+        trainer, _, _ = score(model, batch, "R3" if known else "none", 1.0, vocab)
+        _, free_ids, counts = score(model, batch, "none", 1.0, vocab)
     gap = (trainer - batch.rollout_logprobs).abs()[batch.loss_mask]
-    return float(gap.max()), float(gap.mean())
+    agreement = float("nan")
+    if known:
+        routes = batch.extras["routes"]
+        recorded = torch.cat([routes[i, :n].long() for i, n in enumerate(counts)])
+        agreement = routing_agreement(free_ids, recorded).per_decision
+    return float(gap.max()), float(gap.mean()), agreement
 
 
 async def play_all(engine, chat, config, tasks: TaskSource, groups: int, size: int):
@@ -92,7 +109,10 @@ async def play_all(engine, chat, config, tasks: TaskSource, groups: int, size: i
 
 def embedded_side(model, chat, config, tasks, args, store) -> dict[str, float]:
     engine = InferenceEngine(
-        clone_model(model), config.engine, stop_id=chat.end_id, vocab=chat.tok.vocab_size
+        clone_model(model).to(args.device),
+        config.engine,
+        stop_id=chat.end_id,
+        vocab=chat.tok.vocab_size,
     )
 
     async def go():
@@ -108,7 +128,13 @@ def embedded_side(model, chat, config, tasks, args, store) -> dict[str, float]:
 
     with batch_invariant(config.engine.deterministic):
         samples, wall = asyncio.run(go())
-    return summary(model, samples, wall, engine.stats.pause_seconds[-1], chat.tok.vocab_size)
+    return summary(
+        clone_model(model).to(args.device),
+        samples,
+        wall,
+        engine.stats.pause_seconds[-1],
+        chat.tok.vocab_size,
+    )
 
 
 def vllm_side(model, chat, config, tasks, args, store, work: Path) -> dict[str, float]:
@@ -133,7 +159,11 @@ def vllm_side(model, chat, config, tasks, args, store, work: Path) -> dict[str, 
 
         samples, wall, update = asyncio.run(go())
     out = summary(
-        model, samples, wall, update.pause_s if update else float("nan"), chat.tok.vocab_size
+        clone_model(model).to(args.device),
+        samples,
+        wall,
+        update.pause_s if update else float("nan"),
+        chat.tok.vocab_size,
     )
     out["start_s"] = start_s
     return out
@@ -143,7 +173,7 @@ def summary(
     model, samples: list[Sample], wall: float, pause: float, vocab: int
 ) -> dict[str, float]:
     sampled = sum(sum(s.loss_mask) for s in samples)
-    worst, mean = logprob_gap(model, samples, vocab)
+    worst, mean, agreement = logprob_gap(model, samples, vocab)
     return {
         "trajectories_per_s": len(samples) / wall,
         "tokens_per_s": sampled / wall,
@@ -151,6 +181,7 @@ def summary(
         "pause_s": pause,
         "gap_max": worst,
         "gap_mean": mean,
+        "routing_agreement": agreement,
         "pass_rate": sum(s.reward for s in samples) / len(samples),
     }
 
@@ -162,7 +193,15 @@ def main() -> None:
     parser.add_argument("--policy", default="", help="a policy directory (head_dim vLLM serves)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-c", "--config", default="configs/demo.toml")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="on a CUDA GPU: the embedded engine and scoring there, vLLM with routed experts",
+    )
     args = parser.parse_args()
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA device visible to torch")
+    args.device = "cuda" if args.gpu else "cpu"
     config = load_config(PipelineConfig, args.config, ["engine.kind=vllm", "model.head_dim=32"])
     torch.manual_seed(args.seed)
     if args.policy:
@@ -190,12 +229,13 @@ def main() -> None:
         f"\n{args.groups} groups x {args.group_size} ({n} trajectories), same tasks and checkpoint"
     )
     print(f"vLLM server start (not counted): {rows['vllm']['start_s']:.1f} s")
-    head = f"{'':10} {'traj/s':>8} {'tokens/s':>9} {'wall s':>7} {'pause s':>8} {'max |Δlp|':>10} {'mean |Δlp|':>11} {'reward':>7}"
+    head = f"{'':10} {'traj/s':>8} {'tokens/s':>9} {'wall s':>7} {'pause s':>8} {'max |Δlp|':>10} {'mean |Δlp|':>11} {'routing':>8} {'reward':>7}"
     print(head)
     for name, r in rows.items():
         print(
             f"{name:10} {r['trajectories_per_s']:8.2f} {r['tokens_per_s']:9.0f} {r['wall_s']:7.1f} "
-            f"{r['pause_s']:8.3f} {r['gap_max']:10.2e} {r['gap_mean']:11.2e} {r['pass_rate']:7.3f}"
+            f"{r['pause_s']:8.3f} {r['gap_max']:10.2e} {r['gap_mean']:11.2e} "
+            f"{r['routing_agreement']:8.4f} {r['pass_rate']:7.3f}"
         )
     e, v = rows["embedded"], rows["vllm"]
     print(

@@ -160,13 +160,15 @@ def test_config_checks_server_addresses() -> None:
     assert cfg.engine.kind == "vllm" and cfg.engine.vllm.urls == []
 
 
-def test_rl_on_vllm_with_ray_is_refused_before_any_work() -> None:
+def test_vllm_servers_given_by_url_are_refused_on_ray_before_any_work() -> None:
     from tandem.orchestrator import check_rl_engine
 
     check_rl_engine(RunConfig())
     check_rl_engine(msgspec.convert({"engine": {"kind": "vllm"}}, RunConfig))
     ray = {"engine": {"kind": "vllm"}, "rl": {"backend": "ray"}}
-    with pytest.raises(ConfigValueError, match="vLLM rollouts run on the local backend"):
+    check_rl_engine(msgspec.convert(ray, RunConfig))  # a server per rollout actor
+    ray["engine"]["vllm"] = {"urls": ["http://127.0.0.1:8000"]}
+    with pytest.raises(ConfigValueError, match="each rollout actor starts and updates"):
         check_rl_engine(msgspec.convert(ray, RunConfig))
 
 

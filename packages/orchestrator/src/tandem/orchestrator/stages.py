@@ -163,13 +163,15 @@ def evaluate_policy(
 
 
 def check_rl_engine(config: RunConfig) -> None:
-    """Raise `ConfigValueError` before any work for an engine RL cannot run on here: vLLM
+    """Raise `ConfigValueError` before any work for an engine RL cannot run on: vLLM
     servers serve the ``local`` backend's rollouts (one engine over ``engine.vllm.urls``, or
-    a server started on loopback); the ``ray`` backend's actors run embedded engines."""
-    if config.engine.kind == "vllm" and config.rl.backend != "local":
+    a server started on loopback), and on the ``ray`` backend each rollout actor starts a
+    server of its own; servers given by URL would be shared by actors that each follow
+    the weight stream, so the ``ray`` backend refuses them."""
+    if config.engine.kind == "vllm" and config.rl.backend == "ray" and config.engine.vllm.urls:
         raise ConfigValueError(
-            f"engine.kind = 'vllm' with rl.backend = {config.rl.backend!r}: vLLM rollouts run "
-            "on the local backend (give several servers as engine.vllm.urls)"
+            "engine.vllm.urls with rl.backend = 'ray': each rollout actor starts and updates "
+            "a vLLM server of its own; give servers by URL with rl.backend = 'local'"
         )
 
 

@@ -3,8 +3,9 @@
 `RolloutWorker` builds the model's shape from its `WorkerSpec`, reaches the newest version
 with one catch-up pull (anchor plus at most one delta), then follows the store: notified by
 the trainer after each publish and polling in case it misses one. It holds a
-`LocalRollouts`, the same inference side the ``local`` backend runs in-process; groups go
-back to the driver as wire messages.
+`LocalRollouts`, the same inference side the ``local`` backend runs in-process, or with
+``engine.kind = "vllm"`` a `VllmRollouts` on a vLLM server of its own (`vllm_worker`);
+groups go back to the driver as wire messages.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tandem.orchestrator.config import EngineConfig, EpisodeConfig, TaskConfig
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
 from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.rollout.local import LocalRollouts
+from tandem.orchestrator.rollout.vllm import VllmRollouts
 from tandem.orchestrator.wire import RolloutStats, encode
 
 log = structlog.get_logger()
@@ -64,7 +66,7 @@ class RolloutWorker:
     def __init__(self, spec: WorkerSpec, name: str, torch_threads: int, poll_s: float) -> None:
         self.spec, self.name = spec, name
         self.torch_threads, self.poll_s = torch_threads, poll_s
-        self.rollouts: LocalRollouts | None = None
+        self.rollouts: LocalRollouts | VllmRollouts | None = None
         self._scope = contextlib.ExitStack()
 
     async def start(self, follow: bool = True, version: int | None = None) -> int:
@@ -80,9 +82,19 @@ class RolloutWorker:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         spec = self.spec
+        chat = chat_format_for(spec.model.path)
+        open_env = EnvPools.lookup(spec.env_pools, self.name) if spec.env_pools else Env
+        if spec.engine.kind == "vllm":
+            from tandem.orchestrator.backends.ray.vllm_worker import vllm_actor_rollouts
+
+            self.rollouts = await vllm_actor_rollouts(
+                spec, self.name, self._scope, version=version, chat=chat, open_env=open_env
+            )
+            await self.rollouts.start(follow=follow)
+            log.info("ray.worker_ready", worker=self.name, version=self.rollouts.version)
+            return self.rollouts.version
         self._scope.enter_context(batch_invariant(spec.engine.deterministic))
         model = MoETransformer(spec.model)
-        chat = chat_format_for(spec.model.path)
         engine = InferenceEngine(
             model, spec.engine, stop_id=chat.end_id, version=-1, vocab=chat.tok.vocab_size
         )
@@ -101,13 +113,13 @@ class RolloutWorker:
             seed=spec.seed,
             group_size=spec.group_size,
             poll_s=self.poll_s,
-            open_env=EnvPools.lookup(spec.env_pools, self.name) if spec.env_pools else Env,
+            open_env=open_env,
         )
         await self.rollouts.start(follow=follow)
         log.info("ray.worker_ready", worker=self.name, version=engine.version)
         return engine.version
 
-    def _live(self) -> LocalRollouts:
+    def _live(self) -> LocalRollouts | VllmRollouts:
         if self.rollouts is None:
             raise RuntimeError(f"rollout worker {self.name} was not started")
         return self.rollouts
@@ -131,8 +143,10 @@ class RolloutWorker:
 
     def digest(self) -> tuple[int, str]:
         """(version, digest of the engine's weights): lets a test check them bit for bit."""
-        engine = self._live().engine
-        return engine.version, state_digest(engine.state)
+        rollouts = self._live()
+        if not isinstance(rollouts, LocalRollouts):
+            raise RuntimeError(f"rollout worker {self.name}: a vLLM server's weights are its own")
+        return rollouts.engine.version, state_digest(rollouts.engine.state)
 
     async def stop(self) -> None:
         if self.rollouts is not None:
