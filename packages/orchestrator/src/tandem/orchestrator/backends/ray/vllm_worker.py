@@ -27,7 +27,6 @@ from tandem.moe_determinism.model.hf import hf_layout, save_hf
 from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
 from tandem.orchestrator.inference.vllm.serving import vllm_servers
-from tandem.orchestrator.rollout.tasks import TaskSource
 from tandem.orchestrator.rollout.vllm import VllmRollouts
 
 log = structlog.get_logger()
@@ -69,13 +68,9 @@ async def vllm_actor_rollouts(
         spec.store_url,
         layout,
         version,
-        TaskSource(spec.tasks, spec.task_seed, offset=spec.task_offset),
+        spec.task_source(),
+        **spec.play_settings(),
         chat=chat,
-        env=spec.env,
-        episode=spec.episode,
-        engine_cfg=spec.engine,
-        seed=spec.seed,
-        group_size=spec.group_size,
         servers=servers,
         open_env=open_env,
     )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+from typing import Any
 
 import msgspec
 import structlog
@@ -26,6 +27,7 @@ from tandem.orchestrator.config import EngineConfig, EpisodeConfig, TaskConfig
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
 from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.rollout.local import LocalRollouts
+from tandem.orchestrator.rollout.tasks import TaskSource
 from tandem.orchestrator.rollout.vllm import VllmRollouts
 from tandem.orchestrator.wire import RolloutStats, encode
 
@@ -48,6 +50,19 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     group_size: int
     store_url: str
     env_pools: list[str] = []  # actor names; empty: local sandboxes
+
+    def task_source(self) -> TaskSource:
+        return TaskSource(self.tasks, self.task_seed, offset=self.task_offset)
+
+    def play_settings(self) -> dict[str, Any]:
+        """How groups are played, as either kind of rollouts takes it."""
+        return {
+            "env": self.env,
+            "episode": self.episode,
+            "engine_cfg": self.engine,
+            "seed": self.seed,
+            "group_size": self.group_size,
+        }
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
@@ -75,7 +90,6 @@ class RolloutWorker:
         (otherwise only on `sync_to`)."""
         from tandem.agent_env import Env
         from tandem.delta_sync import Subscriber, open_store
-        from tandem.orchestrator.rollout.tasks import TaskSource
         from tandem.orchestrator.runtime.allocator import reuse_freed_memory
 
         reuse_freed_memory()
@@ -105,13 +119,9 @@ class RolloutWorker:
         self.rollouts = LocalRollouts(
             engine,
             subscriber,
-            TaskSource(spec.tasks, spec.task_seed, offset=spec.task_offset),
+            spec.task_source(),
+            **spec.play_settings(),
             chat=chat,
-            env=spec.env,
-            episode=spec.episode,
-            engine_cfg=spec.engine,
-            seed=spec.seed,
-            group_size=spec.group_size,
             poll_s=self.poll_s,
             open_env=open_env,
         )
