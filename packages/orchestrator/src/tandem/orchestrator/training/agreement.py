@@ -62,9 +62,8 @@ def routing_check(
     """``n_check`` rows (same-version first) re-scored with and without replay, no gradient:
     how often the trainer routing freely picks the engine's experts."""
     out: dict[str, Any] = {}
-    if (
-        n_check > 0 and model.config.moe_layers and routes_known(batch)
-    ):  # a dense model has no routes
+    # a dense model has no routes; samples without the engine's have nothing to compare
+    if n_check > 0 and model.config.moe_layers and routes_known(batch):
         order = torch.argsort((~same).to(torch.int8), stable=True)[:n_check]
         sub = batch.select(order)
         with torch.no_grad():

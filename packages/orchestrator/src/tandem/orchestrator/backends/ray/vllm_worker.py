@@ -16,24 +16,27 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
 from tandem.agent_env import EnvConfig, Task
-from tandem.moe_determinism import MoETransformer
+from tandem.moe_determinism import MoEConfig, MoETransformer
 from tandem.moe_determinism.model.hf import hf_layout, save_hf
 from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
 from tandem.orchestrator.inference.vllm.serving import vllm_servers
 from tandem.orchestrator.rollout.vllm import VllmRollouts
 
+if TYPE_CHECKING:
+    from tandem.orchestrator.backends.ray.worker import WorkerSpec
+
 log = structlog.get_logger()
 
 
 async def vllm_actor_rollouts(
-    spec: Any,
+    spec: WorkerSpec,
     name: str,
     scope: contextlib.ExitStack,
     *,
@@ -46,10 +49,11 @@ async def vllm_actor_rollouts(
     from tandem.delta_sync import Subscriber, open_store
 
     subscriber = Subscriber(open_store(spec.store_url))
+    if version is None:  # the newest, fixed now: the trainer may publish meanwhile
+        version = await asyncio.to_thread(subscriber.latest)
+        if version is None:
+            raise RuntimeError(f"rollout worker {name}: {spec.store_url} holds no version yet")
     state = await asyncio.to_thread(subscriber.materialize, version, as_torch=True)
-    if version is None:
-        version = subscriber.latest()
-    assert version is not None  # materialize raised if the store had no version
     work = Path(tempfile.mkdtemp(prefix=f"tandem-vllm-{name}-"))
     scope.callback(shutil.rmtree, work, ignore_errors=True)
     policy = _policy(spec.model, state)
@@ -76,7 +80,7 @@ async def vllm_actor_rollouts(
     )
 
 
-def _policy(model: Any, state: dict[str, torch.Tensor]) -> MoETransformer:
+def _policy(model: MoEConfig, state: dict[str, torch.Tensor]) -> MoETransformer:
     """The model holding ``state`` (the stream's tensors are the model's own state)."""
     with torch.device("meta"):
         policy = MoETransformer(model)
