@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,7 @@ from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE, EnvPool, env_po
 from tandem.orchestrator.backends.ray.worker import RolloutWorker, WorkerSpec
 from tandem.orchestrator.config import RayConfig
 from tandem.orchestrator.protocols import EngineStopped, WorkerLost
+from tandem.orchestrator.runtime.cancel import cancel_and_wait
 from tandem.orchestrator.wire import PlayedGroup, RolloutStats, decode
 
 log = structlog.get_logger()
@@ -97,6 +100,7 @@ class RayRollouts:
     _pending: dict[str, Any] = field(default_factory=dict)  # actors asked for, not started
     _droppable: set[str] = field(default_factory=set)  # of those, the ones for the target
     _changes: set[asyncio.Task[Any]] = field(default_factory=set)
+    _watcher: asyncio.Task[Any] | None = None  # `_watch`, from `start` until `close`
     assigned: dict[str, int] = field(default_factory=dict)  # groups handed to each worker
     env_pools: list[Any] = field(default_factory=list)  # environment-pool actor handles
     _t0: float = field(default_factory=time.monotonic)
@@ -164,7 +168,8 @@ class RayRollouts:
         await self.control.resize.remote(self.config.workers - await self.control.get.remote())
         await self.env_pool_stats()  # each pool answers once it is up
         await self._first_workers(self.config.workers)
-        return [asyncio.create_task(self._watch())]
+        self._watcher = asyncio.create_task(self._watch())
+        return [self._watcher]
 
     async def _first_workers(self, count: int) -> None:
         """Start ``count`` workers and return once one plays: on a joined cluster short of
@@ -175,7 +180,7 @@ class RayRollouts:
             failed = [t.exception() for t in done if t.exception() is not None]
             if not starting and not self.workers:
                 raise failed[0] if failed else RuntimeError("no rollout worker started")
-        self._changes.update(asyncio.create_task(self._logged(t)) for t in starting)
+        self._changes.update(asyncio.create_task(self._logged(lambda t=t: t)) for t in starting)
 
     async def env_pool_stats(self) -> list[dict[str, Any]]:
         """Per pool: its pid, episodes open now and episodes served so far."""
@@ -214,6 +219,12 @@ class RayRollouts:
             # a worker joining a pool that does not follow starts on the pool's version, so a
             # replaced worker replays its groups on the weights they were meant for
             version = await handle.start.remote(self._follow, self._pinned)
+        except asyncio.CancelledError:  # the pool is closing: the actor must not outlive it
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+            raise
         except Exception:
             if name not in self._pending:  # cancelled (`_cancel_pending`)
                 return name
@@ -276,12 +287,12 @@ class RayRollouts:
                 continue
             have = len(self.live) + len(self._pending)
             if have < target and (self.config.replace_lost or not self.lost):
-                work = self.add_worker(for_target=True)
+                work = functools.partial(self.add_worker, for_target=True)
                 self._changes.add(asyncio.create_task(self._logged(work)))
             elif have > target and self._droppable:
                 self._cancel_pending(self._droppable.pop())
             elif have > target and len(self.live) > 1:
-                self._changes.add(asyncio.create_task(self._logged(self.remove_worker())))
+                self._changes.add(asyncio.create_task(self._logged(self.remove_worker)))
             self._changes = {t for t in self._changes if not t.done()}
             with contextlib.suppress(Exception):
                 await self.control.report.remote(len(self.live), len(self._pending))
@@ -296,9 +307,12 @@ class RayRollouts:
         log.info("ray.worker_cancelled", worker=name, pool=len(self.workers))
 
     @staticmethod
-    async def _logged(work: Any) -> None:
+    async def _logged(work: Callable[[], Awaitable[Any]]) -> None:
+        """Run one pool change, logging its failure. The change's coroutine is made here, in
+        the task: a task cancelled before it starts (at close) then leaves no coroutine that
+        was never awaited."""
         try:
-            await work
+            await work()
         except Exception as e:  # the watcher tries again on its next round
             log.warning("ray.pool_change_failed", error=str(e)[:300])
 
@@ -367,6 +381,9 @@ class RayRollouts:
     async def close(self) -> None:
         import ray
 
+        # the watcher first: it would otherwise start actors to refill the pool being closed
+        await cancel_and_wait([*filter(None, [self._watcher]), *self._changes])
+        self._changes.clear()
         while self._pending:
             self._cancel_pending(next(iter(self._pending)))
         self.drop_requested()
