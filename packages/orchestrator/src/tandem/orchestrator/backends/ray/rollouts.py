@@ -308,9 +308,8 @@ class RayRollouts:
 
     @staticmethod
     async def _logged(work: Callable[[], Awaitable[Any]]) -> None:
-        """Run one pool change, logging its failure. The change's coroutine is made here, in
-        the task: a task cancelled before it starts (at close) then leaves no coroutine that
-        was never awaited."""
+        """Run one pool change, logging its failure. Its coroutine is made in the task: one
+        cancelled before it starts (at close) leaves no coroutine never awaited."""
         try:
             await work()
         except Exception as e:  # the watcher tries again on its next round
