@@ -16,7 +16,7 @@ import pytest
 from tandem.orchestrator.backends.ray.rollouts import RayRollouts
 from tandem.orchestrator.config import RayConfig
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 
 class _Method:
@@ -39,7 +39,9 @@ class _Control:
     report = _Method(lambda running, pending: None)
 
 
-def test_closing_stops_the_watcher_and_the_changes_in_flight_first() -> None:
+def test_closing_stops_the_watcher_and_the_changes_in_flight_first(monkeypatch) -> None:
+    killed: list[Any] = []  # Ray's kill would start a local Ray instance for the stand-ins
+    monkeypatch.setattr(ray, "kill", lambda handle, **_: killed.append(handle))
     rollouts = RayRollouts(spec=None, config=RayConfig(workers=1, poll_s=0.5))  # type: ignore[arg-type]
     rollouts.control = _Control()
     starting: list[asyncio.Task[Any]] = []
@@ -67,4 +69,5 @@ def test_closing_stops_the_watcher_and_the_changes_in_flight_first() -> None:
     assert rollouts._watcher is not None and rollouts._watcher.cancelled()
     assert starting and all(t.cancelled() for t in starting)
     assert not rollouts._changes
+    assert killed == [rollouts.control] and not ray.is_initialized()
     assert not [w for w in caught if "never awaited" in str(w.message)]
