@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
+import pytest
 import torch
 
 from tandem.delta_sync import LocalStore, Publisher
@@ -14,6 +16,7 @@ from tandem.moe_determinism import MoEConfig, MoETransformer
 from tandem.moe_determinism.logprobs import sampling_logits, target_logprobs
 from tandem.orchestrator.config import EngineConfig
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
+from tandem.orchestrator.inference.vllm.server import VllmServer
 
 MODEL = MoEConfig(
     vocab_size=266,
@@ -29,8 +32,25 @@ MODEL = MoEConfig(
     max_position_embeddings=1024,
 )
 ENGINE = EngineConfig(kind="vllm", max_slots=8, max_len=512, max_new_tokens=24)
+SERVER_SIDE = Path(__file__).parent / "vllm_server_side"
+# the tests' own server: tandem's extension with a pace (`paced_extension.py`)
+PACED_ENGINE = msgspec.structs.replace(
+    ENGINE,
+    vllm=msgspec.structs.replace(
+        ENGINE.vllm,
+        extra_args=["--worker-extension-cls", "paced_extension.PacedDeltaSyncExtension"],
+    ),
+)
 STOP = 7
 PROMPT = [1, 3, 70, 105, 120, 32, 116, 104, 101, 32, 98, 117, 103, 7, 4, 104, 105, 7, 5]
+
+
+def start_test_server(python: Path, directory: Path) -> VllmServer:
+    """The tests' server on the checkpoint in ``directory``: `PACED_ENGINE`, with only
+    `SERVER_SIDE` on its PYTHONPATH."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(SERVER_SIDE))
+        return VllmServer.start(python, directory, PACED_ENGINE, log_path=directory / "server.log")
 
 
 def engine_on(url: str, **kw: object) -> VllmEngine:

@@ -204,12 +204,11 @@ def vllm_served(tmp_path_factory: pytest.TempPathFactory):
     """(servers, model): a random tiny MoE written by `save_hf` and one vLLM server on it
     for the whole session (a start takes about a minute on two cores), which tandem can
     restart. Its environment is created with uv on first use and cached."""
-    from vllm_helpers import ENGINE, MODEL
+    from vllm_helpers import MODEL, start_test_server
 
     from tandem.moe_determinism import MoETransformer
     from tandem.moe_determinism.model.hf import save_hf
     from tandem.orchestrator.inference.vllm.environment import vllm_python
-    from tandem.orchestrator.inference.vllm.server import VllmServer
     from tandem.orchestrator.inference.vllm.serving import VllmServers
 
     torch.manual_seed(11)
@@ -218,8 +217,6 @@ def vllm_served(tmp_path_factory: pytest.TempPathFactory):
         model.lm_head.weight.mul_(20)
     directory = save_hf(model, tmp_path_factory.mktemp("vllm-policy"))
     python = vllm_python()
-    servers = VllmServers(
-        [], lambda: VllmServer.start(python, directory, ENGINE, log_path=directory / "server.log")
-    )
+    servers = VllmServers([], lambda: start_test_server(python, directory))
     yield servers, model
     servers.close()

@@ -37,11 +37,15 @@ from tandem.orchestrator.inference.vllm.server import VllmServer
 from tandem.orchestrator.inference.vllm.weights import VllmWeights
 from tandem.orchestrator.protocols import EngineStopped
 
+PACE_S = 0.05  # a paced server step sleeps this long first (`tandem_pace`)
+
 
 def test_an_update_arriving_mid_turn(vllm_served, tmp_path: Path) -> None:
     """A version applied while a turn decodes (streamed: the server is paused at its first
     tokens, then updated): tokens before the update carry the old version and are those
-    the old weights sample alone; tokens after it carry the new one."""
+    the old weights sample alone; tokens after it carry the new one. The server's steps
+    are paced while the test waits for the first tokens, so that the rest of the turn
+    cannot finish before the pause however loaded the machine is."""
     servers, model = vllm_served
     url = servers.urls[0]
     store = tmp_path / "weights"
@@ -67,28 +71,22 @@ def test_an_update_arriving_mid_turn(vllm_served, tmp_path: Path) -> None:
             tokens: list[int] = []
             spans: list[dict] = []
             update = None
-            # other long turns at once make each decoding step slower: room for the update
-            others = [
-                asyncio.create_task(
-                    client.post(
-                        f"{url}/inference/v1/generate",
-                        json={**body, "stream": False, "token_ids": [*PROMPT, i]},
-                    )
-                )
-                for i in range(12)
-            ]
-            async with client.stream("POST", f"{url}/inference/v1/generate", json=body) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    tokens += choice.get("token_ids") or []
-                    spans = choice.get("weight_versions") or spans
-                    if update is None and tokens:
-                        # freeze the turn where it is, then update (the update resumes it)
-                        await client.post(f"{url}/pause", params={"mode": "keep"})
-                        update = await weights.update(1)
-            await asyncio.gather(*others)
+            await weights.rpc("tandem_pace", str(PACE_S))  # the rest takes n * PACE_S at least
+            try:
+                async with client.stream("POST", f"{url}/inference/v1/generate", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        choice = json.loads(line[6:])["choices"][0]
+                        tokens += choice.get("token_ids") or []
+                        spans = choice.get("weight_versions") or spans
+                        if update is None and tokens:
+                            # freeze the turn where it is, then update (the update resumes it)
+                            await client.post(f"{url}/pause", params={"mode": "keep"})
+                            await weights.rpc("tandem_pace", "0")
+                            update = await weights.update(1)
+            finally:
+                await weights.rpc("tandem_pace", "0")
             return alone, update, tokens, spans
 
     alone, update, tokens, spans = asyncio.run(go())
