@@ -9,6 +9,7 @@ attention calls the invariant kernel when that scope is active, torch's SDPA oth
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,17 @@ from tandem.moe_determinism import ops
 from tandem.moe_determinism.mode import is_batch_invariant
 from tandem.moe_determinism.model.cache import KVCache
 from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.ops.workers import stock_ops_on_one_thread
 from tandem.moe_determinism.routing import combine, route
+
+
+def invariant_cpu_scope(x: torch.Tensor) -> AbstractContextManager[None]:
+    """Around layers computing ``x`` under `batch_invariant()` on the CPU, torch's own ops run
+    on the calling thread alone and the tile products get every thread
+    (`stock_ops_on_one_thread`); nothing elsewhere."""
+    if x.is_cuda or not is_batch_invariant():
+        return nullcontext()
+    return stock_ops_on_one_thread()
 
 
 @dataclass
@@ -270,8 +281,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         replay_ids: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.self_attn(self.input_layernorm(x), layout, cos, sin)
-        if isinstance(self.mlp, SwiGLU):
-            return x + self.mlp(self.post_attention_layernorm(x)), None
-        moe_out, ids = self.mlp(self.post_attention_layernorm(x), replay_ids)
-        return x + moe_out, ids
+        with invariant_cpu_scope(x):  # also for an activation-checkpoint recompute
+            x = x + self.self_attn(self.input_layernorm(x), layout, cos, sin)
+            if isinstance(self.mlp, SwiGLU):
+                return x + self.mlp(self.post_attention_layernorm(x)), None
+            moe_out, ids = self.mlp(self.post_attention_layernorm(x), replay_ids)
+            return x + moe_out, ids

@@ -24,7 +24,13 @@ from torch.utils.checkpoint import checkpoint
 from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.model.cache import KVCache
 from tandem.moe_determinism.model.config import MoEConfig
-from tandem.moe_determinism.model.layers import DecoderLayer, RMSNorm, TokenLayout, rope_cos_sin
+from tandem.moe_determinism.model.layers import (
+    DecoderLayer,
+    RMSNorm,
+    TokenLayout,
+    invariant_cpu_scope,
+    rope_cos_sin,
+)
 from tandem.moe_determinism.replay import RouterReplay, RoutingTrace
 
 
@@ -223,7 +229,8 @@ class MoETransformer(nn.Module):
         if cache is not None:
             assert layout.slots is not None
             cache.lengths[layout.slots] += layout.counts.cpu()
-        logits = self.lm_head(self.norm(h))
+        with invariant_cpu_scope(h):
+            logits = self.lm_head(self.norm(h))
         if scatter is not None:
             b, t = input_ids.shape
             full = logits.new_zeros(b, t, logits.shape[-1])

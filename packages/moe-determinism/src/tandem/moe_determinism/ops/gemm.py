@@ -152,7 +152,7 @@ def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(padded.shape[0], padded.shape[1], n, dtype=a.dtype, device=a.device)
     work = padded.numel() * n
     if tiles.one_tile(k, n, a.element_size()) and (
-        torch.get_num_threads() == 1 or work < workers.SHARED_WORK
+        workers.tile_threads() == 1 or work < workers.SHARED_WORK
     ):
         jobs = [tiles.shared_weight_job(padded, b, out)]
     else:

@@ -16,7 +16,7 @@ dimension between them. So no product here is ever handed to the BLAS as it come
    count that varies with the batch.
 3. The partials of one output tile are added in K-tile order (0, 1, 2, ...), element-wise:
    that order is ours, fixed by K alone.
-4. Parallelism is over output tiles only: `torch.get_num_threads()` single-threaded workers
+4. Parallelism is over output tiles only: `workers.tile_threads()` single-threaded workers
    share the tiles, each tile wholly computed by one of them, so the thread count changes
    who computes a tile, never how.
 
@@ -37,6 +37,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from tandem.moe_determinism.ops import workers
 
 ROW_TILE = 16
 """Rows per tile. Small enough that a padded decode batch wastes little (small-M products
@@ -172,7 +174,7 @@ def tile_jobs(
 ) -> list[Callable[[], None]]:
     """Jobs for out[p] = a[p] @ b[p]; a [P, ROW_TILE or any fixed rows, K], b [P, K, N]
     (a stride-0 expand for a shared weight), out [P, rows, N]. Jobs cover whole tiles:
-    consecutive items of one column tile, about `torch.get_num_threads()` jobs per tile.
+    consecutive items of one column tile, about twice `workers.tile_threads()` jobs in all.
     `batched`: each item its own operands, computed `BATCH` at a time."""
     # workers run without the caller's below-autograd state; rows aligned (`ALIGN_BYTES`)
     a, b = aligned_rows(a.detach()), b.detach()
@@ -180,7 +182,7 @@ def tile_jobs(
         b = aligned_items(b)
     items, n = a.shape[0], b.shape[2]
     col_tiles = [(c, min(c + COL_TILE, n)) for c in range(0, n, COL_TILE)]
-    threads = torch.get_num_threads()
+    threads = workers.tile_threads()
     parts = 1 if threads == 1 else max(1, math.ceil(2 * threads / max(1, len(col_tiles))))
     products = _batched if batched else _one_by_one
     ranges = _split(items, parts, BATCH if batched else 1)

@@ -2,8 +2,12 @@
 
 Every tile product must run on a thread whose OpenMP and BLAS thread count is 1 (a BLAS
 given two threads may split the reduced dimension between them). `run_parallel` hands
-whole jobs to `torch.get_num_threads()` such threads: the caller, its own counts set to 1
+whole jobs to `tile_threads()` such threads: the caller, its own counts set to 1
 meanwhile, and a pool of workers started once per thread count.
+
+`stock_ops_on_one_thread` keeps torch's own OpenMP team out of a forward pass: after each
+of its parallel regions that team spins on the cores for a while, the cores the workers
+need next.
 """
 
 from __future__ import annotations
@@ -122,6 +126,37 @@ class _Workers:
 _pools: dict[int, _Workers] = {}
 _pools_lock = threading.Lock()
 _caller = _ThreadLocalCount()
+_scope = threading.local()  # .threads: the count `stock_ops_on_one_thread` keeps for tiles
+
+
+def tile_threads() -> int:
+    """Threads the tile products share: torch's count for this thread, or the count it had
+    when `stock_ops_on_one_thread` was entered."""
+    return getattr(_scope, "threads", 0) or torch.get_num_threads()
+
+
+@contextmanager
+def stock_ops_on_one_thread() -> Iterator[None]:
+    """While active, torch's own ops on this thread run single-threaded, and the tile
+    products still share `torch.get_num_threads()` threads through `run_parallel`.
+
+    Why: after each parallel region of a stock op, torch's OpenMP threads keep spinning for
+    a while (libgomp's default), on the cores the tile workers need next. With 2 threads,
+    batched decode's expert products then ran no faster than with one. A forward pass made
+    of tile products and small element-wise ops loses little by running the latter on one
+    thread, and those ops then run the same code whatever the thread count. Nests; no
+    effect with one thread or without a loadable OpenMP runtime."""
+    threads = tile_threads()
+    if threads == 1 or not _caller.available or getattr(_scope, "threads", 0):
+        yield
+        return
+    _workers(threads - 1)  # started outside: starting sets torch's process-wide count
+    _scope.threads = threads
+    try:
+        with _caller.one():
+            yield
+    finally:
+        _scope.threads = 0
 
 
 def _workers(n: int) -> _Workers:
@@ -143,10 +178,10 @@ kept on the caller below 64M, the training step 1.46-1.73x (run-to-run noise eit
 def run_parallel(jobs: list[Callable[[], None]], work: int) -> None:
     """Run independent jobs (`work` multiply-adds in all), each wholly on one single-threaded
     thread: the caller (its own OpenMP/MKL count set to 1 meanwhile) and
-    `torch.get_num_threads() - 1` workers.
+    `tile_threads() - 1` workers.
 
-    With one torch thread the caller is single-threaded already and runs them in turn."""
-    threads = torch.get_num_threads()
+    With one thread the caller is single-threaded already and runs them in turn."""
+    threads = tile_threads()
     if threads == 1:  # also inside a worker: jobs never nest across threads
         for job in jobs:
             job()
