@@ -8,7 +8,6 @@ import asyncio
 from pathlib import Path
 
 import msgspec
-import pytest
 import torch
 
 from tandem.delta_sync import LocalStore, Publisher
@@ -48,9 +47,13 @@ PROMPT = [1, 3, 70, 105, 120, 32, 116, 104, 101, 32, 98, 117, 103, 7, 4, 104, 10
 def start_test_server(python: Path, directory: Path) -> VllmServer:
     """The tests' server on the checkpoint in ``directory``: `PACED_ENGINE`, with only
     `SERVER_SIDE` on its PYTHONPATH."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYTHONPATH", str(SERVER_SIDE))
-        return VllmServer.start(python, directory, PACED_ENGINE, log_path=directory / "server.log")
+    return VllmServer.start(
+        python,
+        directory,
+        PACED_ENGINE,
+        log_path=directory / "server.log",
+        extra_env={"PYTHONPATH": str(SERVER_SIDE)},
+    )
 
 
 def engine_on(url: str, **kw: object) -> VllmEngine:

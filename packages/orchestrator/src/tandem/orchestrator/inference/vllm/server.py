@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -147,10 +148,12 @@ class VllmServer:
         log_path: Path,
         seed: int = 0,
         cuda: bool = False,
+        extra_env: Mapping[str, str] | None = None,
     ) -> VllmServer:
+        """``extra_env``: variables for the server's environment on top of tandem's own."""
         port = free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **server_env(engine, cuda=cuda)}
+        env = {**os.environ, **server_env(engine, cuda=cuda), **(extra_env or {})}
         env.pop("VIRTUAL_ENV", None)  # tandem's, not the server's
         command = server_command(python, model_dir, engine, port, seed, cuda=cuda)
         with open(log_path, "wb") as out:
