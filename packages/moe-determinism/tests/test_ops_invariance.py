@@ -50,6 +50,26 @@ def test_row_ops_are_batch_invariant(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_row_ops_give_the_same_bits_with_and_without_a_graph(dtype: torch.dtype) -> None:
+    """Without an autograd graph the element-wise ops reuse their fresh intermediates in
+    place; with one they may not. Both ways give the same bits, and the graph's gradient is
+    torch's formula's (odd width: vector loop tails)."""
+    x = (4 * torch.randn(9, 1003, generator=torch.Generator().manual_seed(2))).to(dtype)
+    for name, fn in ROW_OPS.items():
+        leaf = x.float().requires_grad_()
+        graphed = fn(leaf.to(dtype))
+        assert graphed.requires_grad
+        with torch.no_grad():
+            assert torch.equal(fn(x), graphed.detach()), name
+        assert torch.equal(fn(x), graphed.detach()), name  # no graph: x needs no gradient
+    leaf = x.float().requires_grad_()
+    (ops.silu(leaf) * torch.linspace(-1, 1, 1003)).sum().backward()
+    ref = x.float().requires_grad_()
+    (F.silu(ref) * torch.linspace(-1, 1, 1003)).sum().backward()
+    torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_row_ops_match_torch(dtype: torch.dtype) -> None:
     """Independent check: same values as torch's own ops up to rounding."""
     x = torch.randn(16, 3000, dtype=torch.float32).to(dtype)

@@ -115,7 +115,11 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     out_dtype = dtype or x.dtype
     acc = x.to(dtype or _accumulate_dtype(x))
     m = acc.amax(dim, keepdim=True)  # max is exact: order never matters
-    e = torch.exp(acc - m)
+    shifted = acc - m
+    if _no_graph(shifted):  # the same ops in one fresh buffer
+        e = shifted.exp_()
+        return e.div_(fixed_sum(e, dim, keepdim=True)).to(out_dtype)
+    e = torch.exp(shifted)
     return (e / fixed_sum(e, dim, keepdim=True)).to(out_dtype)
 
 
@@ -130,6 +134,8 @@ def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
     m = acc.amax(dim, keepdim=True)
     shifted = acc - m
     lse = torch.log(fixed_sum(torch.exp(shifted), dim, keepdim=True))
+    if _no_graph(shifted):  # the same ops, shifted's buffer reused for the result
+        return shifted.sub_(lse).to(out_dtype)
     return (shifted - lse).to(out_dtype)
 
 
@@ -149,11 +155,28 @@ def rms_norm(
     return y.to(x.dtype)
 
 
+def _no_graph(t: torch.Tensor) -> bool:
+    """True when autograd records nothing through ``t``, a fresh intermediate: it may then be
+    overwritten in place (no backward formula kept it). So it is under `batch_invariant()`,
+    whose kernels run beneath autograd, and under `torch.no_grad()`. In-place and
+    out-of-place element-wise ops give the same bits: one fresh buffer fewer per op is all
+    that changes (a page-faulted allocation as large as the activations)."""
+    return not t.requires_grad
+
+
+def _one_plus_exp_neg(x: torch.Tensor) -> torch.Tensor:
+    """1 + exp(-x), in a single fresh buffer when no graph is recorded."""
+    t = torch.neg(x)
+    return t.exp_().add_(1.0) if _no_graph(t) else 1.0 + torch.exp(t)
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """Sigmoid from `exp`, whose vector and scalar code paths agree (torch's sigmoid's don't)."""
-    return 1.0 / (1.0 + torch.exp(-x))
+    t = _one_plus_exp_neg(x)
+    return t.reciprocal_() if _no_graph(t) else 1.0 / t
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU = x * sigmoid(x), written as x / (1 + exp(-x)) for the same reason as `sigmoid`."""
-    return x / (1.0 + torch.exp(-x))
+    t = _one_plus_exp_neg(x)
+    return torch.div(x, t, out=t) if _no_graph(t) else x / t
