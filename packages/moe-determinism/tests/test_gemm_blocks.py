@@ -66,6 +66,29 @@ def test_bmm_blocks_equal_the_tile_computation(threads: int, dtype: torch.dtype)
             assert torch.equal(_bits(ours[i]), _bits(_reference(a[i], w[i].t())))
 
 
+def test_bmm_blocks_take_whole_aligned_tiles_where_they_lie(monkeypatch) -> None:
+    """Experts' rows allocated in whole row tiles are multiplied in place (no padded copy),
+    with the bits of the padded copy."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(4, 2 * tiles.ROW_TILE, 64, generator=gen)
+    w = torch.randn(4, 48, 64, generator=gen)
+    copies: list[tuple[int, ...]] = []
+    pad_rows = tiles.pad_rows
+
+    def recorded(t: torch.Tensor, *args: int) -> torch.Tensor:
+        copies.append(tuple(t.shape))
+        return pad_rows(t, *args)
+
+    monkeypatch.setattr(tiles, "pad_rows", recorded)
+    in_place = gemm.bmm_blocks(a, w.transpose(1, 2))
+    assert copies == []
+    padded = gemm.bmm_blocks(a[:, :-1], w.transpose(1, 2))  # a partial tile: copied
+    assert copies == [(4, 2 * tiles.ROW_TILE - 1, 64)]
+    assert torch.equal(in_place[:, :-1], padded)
+    for i in range(4):
+        assert torch.equal(_bits(in_place[i]), _bits(_reference(a[i], w[i].t())))
+
+
 def test_workers_leave_the_callers_thread_count_alone(threads: int) -> None:
     """The single-threaded workers do not change the count of the caller or of threads
     started later (torch records the last count set for threads it has not seen yet)."""

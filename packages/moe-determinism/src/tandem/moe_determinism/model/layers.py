@@ -20,6 +20,7 @@ from tandem.moe_determinism import ops
 from tandem.moe_determinism.mode import is_batch_invariant
 from tandem.moe_determinism.model.cache import KVCache
 from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.ops.tiles import ROW_TILE
 from tandem.moe_determinism.ops.workers import stock_ops_on_one_thread
 from tandem.moe_determinism.routing import combine, route
 
@@ -244,6 +245,8 @@ class MoEBlock(nn.Module):
         # Each row's result depends only on the row and the expert's weights, so the padding
         # and the other rows do not matter (under batch_invariant()).
         cap = int(counts.max()) if flat.numel() else 0
+        if is_batch_invariant() and not x.is_cuda:  # whole row tiles: the products take the
+            cap = -(-cap // ROW_TILE) * ROW_TILE  # rows where they lie instead of a padded copy
         xe = x.new_zeros(cfg.num_experts, cap, x.shape[-1])
         xe[expert_of, rank] = x[order // k]
         hidden = F.silu(torch.bmm(xe, self.gate_proj.transpose(1, 2))) * torch.bmm(

@@ -115,7 +115,7 @@ def bmm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The CPU kernel of `bmm` (no autograd graph): row tiles of every matrix, as in `mm`."""
     g, m, _ = a.shape
     n = b.shape[-1]
-    padded = tiles.pad_rows(a)  # [G, tiles, R, K]
+    padded = tiles.row_tiles(a)  # [G, tiles, R, K]
     blocks, r = padded.shape[1], padded.shape[2]
     out = torch.empty(g, blocks, r, n, dtype=a.dtype, device=a.device)
     jobs = []

@@ -220,11 +220,12 @@ def pad_rows(a: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
 
 
 def row_tiles(a: torch.Tensor) -> torch.Tensor:
-    """[M, K] -> [tiles, ROW_TILE, K]: a view of `a` itself when its rows are aligned and
-    fill whole tiles (a decode batch of 16), else `pad_rows`' fresh copy."""
-    m = a.shape[0]
+    """[..., M, K] -> [..., tiles, ROW_TILE, K]: a view of `a` itself when its rows are
+    aligned and fill whole tiles (a decode batch of 16, experts' rows allocated in whole
+    tiles), else `pad_rows`' fresh copy."""
+    m = a.shape[-2]
     if m % ROW_TILE == 0 and _aligned(a):
-        return a.unflatten(0, (m // ROW_TILE, ROW_TILE))
+        return a.unflatten(-2, (m // ROW_TILE, ROW_TILE))
     return pad_rows(a)
 
 
