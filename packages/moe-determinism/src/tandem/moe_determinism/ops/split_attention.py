@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.ops import attention_parts
 from tandem.moe_determinism.ops.gemm import fixed_shape_bmm
 from tandem.moe_determinism.ops.reduction import fixed_sum, tree_sum
 from tandem.moe_determinism.ops.shared_splits import SharedSplits
@@ -151,9 +152,10 @@ def attention(
         from tandem.moe_determinism.kernels.dispatch import cuda_attention
 
         return cuda_attention(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
-    return _attention_cpu(
-        q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk, kv_origins
-    )
+    return attention_parts.compute(
+        _attention_cpu,
+        q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk, kv_origins,
+    )  # fmt: skip
 
 
 def _check_origins(
@@ -323,7 +325,7 @@ def _attention_cpu(
         scores = fixed_shape_bmm(q_blk, k_blk.transpose(1, 2))  # fixed [Q_BLOCK, D] @ [D, split]
     scores = scores[:, :live].to(acc_dtype) * scale
     keys = sp_of[:, None] * split + torch.arange(split, device=dev)[None, :]
-    scores = scores.masked_fill(keys[:, None, :] >= row_limit[:, :, None], float("-inf"))
+    scores.masked_fill_(keys[:, None, :] >= row_limit[:, :, None], float("-inf"))  # fresh
 
     # Exact row max over every split (skipped ones hold only -inf). It is a constant for
     # autograd: softmax does not depend on the shift, so its gradient through it is zero.
@@ -332,7 +334,7 @@ def _attention_cpu(
         m = scores.new_full((blocks * n_sp, live), float("-inf"))
         m.index_copy_(0, pair, scores.amax(-1))
         m = m.view(blocks, n_sp, live).amax(1)
-    p = torch.exp(scores - m.index_select(0, block_of)[:, :, None])
+    p = (scores - m.index_select(0, block_of)[:, :, None]).exp_()  # one fresh buffer
 
     # Per-split fixed sums and partial outputs, reduced over splits by the dense grid's tree.
     denom = _SplitTreeSum.apply(fixed_sum(p, -1), pair, block_of, blocks, n_sp)

@@ -17,8 +17,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def _loaded_library(fragment: str) -> ctypes.CDLL | None:
@@ -114,7 +117,7 @@ class _Workers:
         for _ in jobs[1:] if caller is not None else jobs:
             self.tasks.put(take)
         if caller is not None:
-            with caller.one():
+            with _alone(caller):
                 while not pending.empty():
                     take()
         for _ in jobs:
@@ -159,6 +162,19 @@ def stock_ops_on_one_thread() -> Iterator[None]:
         _scope.threads = 0
 
 
+@contextmanager
+def _alone(caller: _ThreadLocalCount) -> Iterator[None]:
+    """The calling thread computes whole jobs, single-threaded: torch's ops and any product
+    a job runs (`tile_threads()` is 1 meanwhile), as on a worker."""
+    before = getattr(_scope, "threads", 0)
+    _scope.threads = 1
+    try:
+        with caller.one():
+            yield
+    finally:
+        _scope.threads = before
+
+
 def _workers(n: int) -> _Workers:
     with _pools_lock:
         if n not in _pools:
@@ -182,16 +198,36 @@ def run_parallel(jobs: list[Callable[[], None]], work: int) -> None:
 
     With one thread the caller is single-threaded already and runs them in turn."""
     threads = tile_threads()
-    if threads == 1:  # also inside a worker: jobs never nest across threads
+    if threads == 1:  # also inside a worker or a job: jobs never nest across threads
         for job in jobs:
             job()
         return
     if _caller.available:
         if len(jobs) == 1 or work < SHARED_WORK:
-            with _caller.one():
+            with _alone(_caller):
                 for job in jobs:
                     job()
             return
         _workers(threads - 1).run(jobs, _caller)
         return
     _workers(threads).run(jobs, None)
+
+
+def run_parts(parts: list[Callable[[], T]]) -> list[T]:
+    """Results of independent parts of one computation (attention of a few sequences each),
+    each part run whole by one thread, single-threaded: the caller and the workers as in
+    `run_parallel`. For work whose every step is cheap on its own (many small products and
+    the element-wise ops between them), where sharing each step between threads would not
+    pay. The caller's autograd and inference modes hold in the workers too."""
+    results: list[T | None] = [None] * len(parts)
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def job(i: int) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                results[i] = parts[i]()
+
+        return run
+
+    run_parallel([job(i) for i in range(len(parts))], SHARED_WORK)
+    return results  # type: ignore[return-value]
