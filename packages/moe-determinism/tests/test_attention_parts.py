@@ -135,12 +135,30 @@ def test_gradients_flow_through_every_part(three_threads) -> None:
         torch.testing.assert_close(shared, alone, rtol=1e-6, atol=1e-6)
 
 
-def test_no_grad_holds_in_the_parts(three_threads) -> None:
-    """A decode step under `no_grad` records no graph in the workers either."""
+def test_the_callers_autograd_modes_hold_in_the_parts(
+    three_threads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step under `no_grad` (or `inference_mode`) records no graph in the workers
+    either, and a training forward records one in every part."""
+    modes: list[tuple[bool, bool]] = []
+    whole = split_attention._attention_cpu
+
+    def recorded(*args, **kwargs):
+        modes.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        out = whole(*args, **kwargs)
+        modes.append((out.requires_grad, out.is_inference()))
+        return out
+
+    monkeypatch.setattr(split_attention, "_attention_cpu", recorded)
     q = torch.randn(4, 4, 30, 16, requires_grad=True)
     k, v = torch.randn(4, 2, 30, 16), torch.randn(4, 2, 30, 16)
     with torch.no_grad():
-        out = ops.attention(q, k, v, kv_split_size=16)
-    assert out.grad_fn is None and not out.requires_grad
+        ops.attention(q, k, v, kv_split_size=16)
+    assert modes == [(False, False)] * 6  # 3 parts: modes inside, then their outputs
+    modes.clear()
     with torch.inference_mode():
-        assert ops.attention(q.detach(), k, v, kv_split_size=16).is_inference()
+        ops.attention(q.detach(), k, v, kv_split_size=16)
+    assert modes == [(False, True)] * 6
+    modes.clear()
+    ops.attention(q, k, v, kv_split_size=16)
+    assert modes == [(True, False)] * 6
