@@ -140,8 +140,9 @@ def apply_delta(
     check_targets(views, targets, label)
     with ThreadPoolExecutor(workers or default_workers()) as pool:
         patch = stage(
-            [(meta.kind == "full", [(shard, label)])],
+            [(shard, label)],
             stored,
+            full=meta.kind == "full",
             chunk_bytes=meta.chunk_bytes,
             pool=pool,
             label=label,

@@ -17,7 +17,7 @@ import contextlib
 import mmap
 import os
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -240,8 +240,8 @@ class Subscriber:
         if target == self.version:
             return Prepared(self, m, self.version, [], None, 0, 0, time.perf_counter() - t0)
         path = self.plan(target, self.version)
-        jobs: list[tuple[int, str, str, str]] = []  # (layer, key, digest, where)
-        for layer, (v, base) in enumerate(path):
+        jobs: list[tuple[str, str, str]] = []  # (key, digest, where), payloads in order
+        for v, base in path:
             mv = self.manifest(v)
             what = "anchor" if base is None else f"delta from {base}"
             for part in mv.parts:
@@ -252,36 +252,45 @@ class Subscriber:
                     raise IntegrityError(f"version {v}: part {part.name!r} lacks its {what}")
                 for i, ref in enumerate(payload.shards):
                     where = f"version {v} ({what}) shard {i} ({ref.key})"
-                    jobs.append((layer, ref.key, ref.digest, where))
-        layers: list[tuple[bool, list[tuple[bytes | memoryview, str]]]] = [
-            (base is None, []) for _, base in path
-        ]
+                    jobs.append((ref.key, ref.digest, where))
         downloaded = cached = 0
-        fetched = ordered_map(
-            self._io.get(),
-            lambda j: self._fetch(j[1], j[2], j[3]),
-            jobs,
-            2 * self.download_workers,
-        )
-        for (layer, _, _, where), (data, hit) in zip(jobs, fetched, strict=True):
-            layers[layer][1].append((data, where))
-            if hit:
-                cached += len(data)
-            else:
-                downloaded += len(data)
-            if self.progress is not None:
-                self.progress("download", len(data))
+
+        def arrived() -> Iterator[tuple[bytes | memoryview, str]]:
+            """Each shard as its download finishes, in order: staging decodes it while the
+            next ones download."""
+            nonlocal downloaded, cached
+            fetched = ordered_map(
+                self._io.get(),
+                lambda j: self._fetch(*j),
+                jobs,
+                2 * self.download_workers,
+            )
+            try:
+                for (_, _, where), (data, hit) in zip(jobs, fetched, strict=True):
+                    if hit:
+                        cached += len(data)
+                    else:
+                        downloaded += len(data)
+                    if self.progress is not None:
+                        self.progress("download", len(data))
+                    yield data, where
+            finally:  # staging failed or stopped: no download outlives this call
+                fetched.close()
+
+        shards = arrived()
         spill = Spill(self.cache_dir) if self.cache_dir is not None else None
         try:
             patch = stage(
-                layers,
+                shards,
                 m.tensors(self.parts),
+                full=bool(path) and path[0][1] is None,
                 chunk_bytes=m.chunk_bytes,
                 pool=self._pool.get(),
                 label=f"version {target}",
                 spill=spill,
             )
         finally:
+            shards.close()
             if spill is not None:
                 spill.close()
         prepared = Prepared(

@@ -14,7 +14,7 @@ invertible; overwritten raw chunks were saved), so the state is left as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -77,23 +77,29 @@ class StagedPatch:
 
 
 def stage(
-    layers: list[tuple[bool, list[tuple[bytes | memoryview, str]]]],
+    shards: Iterable[tuple[bytes | memoryview, str]],
     targets: Mapping[str, TensorInfo],
     *,
+    full: bool,
     chunk_bytes: int,
     pool: ThreadPoolExecutor,
     label: str,
     spill: Spill | None = None,
 ) -> StagedPatch:
-    """Decode layers [(is_full, [(shard bytes, where), ...]), ...] into a StagedPatch; with
+    """Decode shards [(shard bytes, where), ...], in the order of their payloads (an anchor
+    first when `full`, then deltas oldest first), into a StagedPatch.
+
+    `shards` may be a generator that yields each shard as its download finishes: a shard's
+    sparse chunks are decompressed on `pool` while the next ones are still downloading, so
+    what is left after the last byte is that shard's work, not the whole delta's. With
     `spill`, each shard's decoded streams are moved there as soon as they are decoded, so
     staging holds a few chunks in memory, not the whole delta."""
-    patch = StagedPatch(full=bool(layers) and layers[0][0])
-    sparse: list[tuple[ChunkOp, int, int, int]] = []  # (op, elements, itemsize, shard)
-    shard = 0
-    for _, shards in layers:
-        for data, where in shards:
-            shard += 1
+    patch = StagedPatch(full=full)
+
+    def ops() -> Iterator[tuple[ChunkOp, int, int, int]]:
+        """Every chunk's op, shard by shard as they arrive; the sparse ones are yielded
+        (op, elements, itemsize, shard) to be decompressed."""
+        for shard, (data, where) in enumerate(shards, 1):
             for name, rec, frames in iter_shard(data, where):
                 info = targets.get(name)
                 if info is None:
@@ -107,19 +113,12 @@ def stage(
                 op = ChunkOp(rec, f"{where}, tensor {name!r} chunk {rec.chunk}", frames=frames)
                 patch.ops.setdefault((name, rec.chunk), []).append(op)
                 if rec.mode == SPARSE:
-                    sparse.append((op, n, w, shard))
                     patch.changed += rec.count
+                    yield op, n, w, shard
                 elif rec.mode in (XOR, RAW):
                     patch.changed += rec.count
                 else:
                     raise IntegrityError(f"{op.where}: unknown chunk mode {rec.mode}")
-    if patch.full:
-        for name, info in targets.items():
-            ce = chunk_elems_for(itemsize(info.dtype), chunk_bytes)
-            for c in range(n_chunks(int(np.prod(info.shape, dtype=np.int64)), ce)):
-                ops = patch.ops.get((name, c))
-                if not ops or ops[0].rec.mode != RAW:
-                    raise IntegrityError(f"{label}: the anchor lacks chunk {c} of {name!r}")
 
     def decode(item: tuple[ChunkOp, int, int, int]) -> tuple[ChunkOp, int]:
         op, n, w, shard = item
@@ -129,7 +128,7 @@ def stage(
 
     batch: list[ChunkOp] = []
     current = 0
-    for op, shard in ordered_map(pool, decode, sparse, 4 * (pool._max_workers or 1)):
+    for op, shard in ordered_map(pool, decode, ops(), 4 * (pool._max_workers or 1)):
         if spill is None:
             continue
         if batch and shard != current:
@@ -138,6 +137,13 @@ def stage(
         current = shard
     if spill is not None and batch:
         _spill(spill, batch)
+    if patch.full:
+        for name, info in targets.items():
+            ce = chunk_elems_for(itemsize(info.dtype), chunk_bytes)
+            for c in range(n_chunks(int(np.prod(info.shape, dtype=np.int64)), ce)):
+                ops_c = patch.ops.get((name, c))
+                if not ops_c or ops_c[0].rec.mode != RAW:
+                    raise IntegrityError(f"{label}: the anchor lacks chunk {c} of {name!r}")
     return patch
 
 
