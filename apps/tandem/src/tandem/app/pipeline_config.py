@@ -26,7 +26,7 @@ class DemoSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     time_cap_s: float = 0.0
     midtrain_cap_s: float = 0.0
-    lift_band: tuple[float, float] = (11.0, 18.3)
+    lift_band: tuple[float, float] = (11.9, 21.9)
 
     def __post_init__(self) -> None:
         if self.time_cap_s < 0 or self.midtrain_cap_s < 0:
