@@ -138,13 +138,20 @@ def stage(
     if spill is not None and batch:
         _spill(spill, batch)
     if patch.full:
-        for name, info in targets.items():
-            ce = chunk_elems_for(itemsize(info.dtype), chunk_bytes)
-            for c in range(n_chunks(int(np.prod(info.shape, dtype=np.int64)), ce)):
-                ops_c = patch.ops.get((name, c))
-                if not ops_c or ops_c[0].rec.mode != RAW:
-                    raise IntegrityError(f"{label}: the anchor lacks chunk {c} of {name!r}")
+        _check_whole_anchor(patch, targets, chunk_bytes, label)
     return patch
+
+
+def _check_whole_anchor(
+    patch: StagedPatch, targets: Mapping[str, TensorInfo], chunk_bytes: int, label: str
+) -> None:
+    """An anchor overwrites every chunk: each one must start with a raw op."""
+    for name, info in targets.items():
+        ce = chunk_elems_for(itemsize(info.dtype), chunk_bytes)
+        for c in range(n_chunks(int(np.prod(info.shape, dtype=np.int64)), ce)):
+            ops = patch.ops.get((name, c))
+            if not ops or ops[0].rec.mode != RAW:
+                raise IntegrityError(f"{label}: the anchor lacks chunk {c} of {name!r}")
 
 
 def _spill(spill: Spill, batch: list[ChunkOp]) -> None:
