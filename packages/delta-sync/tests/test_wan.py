@@ -10,6 +10,7 @@ bytes computed here (not the manifest's digests).
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import pytest
 
 from tandem.delta_sync import LocalStore, Publisher, warm_up
 from tandem.delta_sync.testing import netns
-from tandem.delta_sync.testing.wan import RegionSpec, Topology, Wan, bits_digest
+from tandem.delta_sync.testing.wan import RegionSpec, Topology, Wan, bits_digest, in_ns
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
 
@@ -82,6 +83,26 @@ def pull(w: Wan, stream: Stream, regions: list[int] | None = None) -> list[dict]
 
 def shard_gets(w: Wan, region: int) -> Counter:
     return Counter(r["path"] for r in w.requests(region) if "/shards/" in r["path"])
+
+
+def congestion_control(ns: str) -> str:
+    """The algorithm a new TCP socket opened in namespace `ns` gets."""
+
+    def probe() -> str:
+        with socket.socket() as s:
+            raw = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+        return raw.split(b"\0", 1)[0].decode()
+
+    with in_ns(ns) as thread:
+        return thread.submit(probe).result(timeout=10)
+
+
+def test_every_namespace_uses_the_pinned_congestion_control(wan) -> None:
+    """TCP in the emulation sees sub-millisecond round trips (the proxy adds them above
+    it), so the algorithm must not be whatever the host defaults to (see `netns`)."""
+    w, _ = wan
+    for ns in [w.o, w.h, *w.r, *w.e]:
+        assert congestion_control(ns) == netns.CC == "reno", ns
 
 
 def test_a_relay_per_region_takes_each_shard_from_the_origin_once(wan) -> None:
