@@ -55,8 +55,15 @@ def test_closing_stops_the_watcher_and_the_changes_in_flight_first(monkeypatch) 
 
     async def run_then_close() -> list[asyncio.Task[Any]]:
         rollouts._watcher = asyncio.create_task(rollouts._watch())
-        while len(starting) < 2:  # the watcher has started changes to reach its target
-            await asyncio.sleep(0.05)
+
+        async def changes_started() -> None:  # the watcher has started changes to reach its target
+            while len(starting) < 2:
+                await asyncio.sleep(0.05)
+
+        try:
+            await asyncio.wait_for(changes_started(), timeout=30)
+        except TimeoutError:
+            pytest.fail(f"the watcher started {len(starting)} of 2 pool changes within 30 s")
         await rollouts.close()
         others = asyncio.all_tasks() - {asyncio.current_task()}
         return [t for t in others if not t.done()]
