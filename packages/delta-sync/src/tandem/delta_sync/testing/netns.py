@@ -35,9 +35,9 @@ def unavailable() -> str | None:
     """Why namespaces cannot be made here (None when they can)."""
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN); run as root to emulate a WAN"
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("sysctl", "procps")):
         if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
+            return f"`{tool}` ({package}) is not installed"
     return None
 
 
