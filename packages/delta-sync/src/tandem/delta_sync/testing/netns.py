@@ -27,8 +27,8 @@ import uuid
 
 from tandem.delta_sync.errors import DeltaSyncError
 
-_TIMEOUT = 10.0  # seconds for any one `ip`/`tc` command
-CC = "reno"  # congestion control in every namespace (built into every kernel): see above
+_TIMEOUT = 10.0  # seconds for any one `ip`, `tc` or `sysctl` command
+CC = "reno"  # in every namespace: built into every kernel and allowed in any namespace
 
 
 def unavailable() -> str | None:
