@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import socket
+import struct
+import threading
 import urllib.error
 import urllib.request
 
@@ -72,6 +75,45 @@ def test_s3_unreachable_endpoint_is_a_clear_error() -> None:
     )
     with pytest.raises(StoreError, match=re.escape("s3://bucket/ at http://127.0.0.1:9")):
         store.get("latest")
+
+
+def test_s3_connection_reset_mid_request_is_a_clear_error() -> None:
+    """An endpoint that resets each connection once it has the request (a proxy losing its
+    upstream, an origin going away): botocore's error then carries no response."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def reset_each() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(5)
+            conn.recv(1 << 16)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST
+
+    thread = threading.Thread(target=reset_each, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    store = S3Store(
+        "bucket",
+        endpoint_url=url,
+        retries=1,
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        region_name="us-east-1",
+    )
+    try:
+        for call in (store.get, store.exists, lambda key: store.put(key, b"x")):
+            with pytest.raises(StoreError, match=re.escape(f"s3://bucket/ at {url}")):
+                call("latest")
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        listener.close()
 
 
 def test_http_store_reads_what_the_origin_publishes(served, trainer, same_bits) -> None:

@@ -74,7 +74,8 @@ class S3Store(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _error(self, op: str, key: str, e: Exception) -> StoreError:
-        code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
+        response = getattr(e, "response", None) or {}  # None on some connection errors
+        code = (response.get("Error") or {}).get("Code", "")
         if code in ("NoSuchKey", "404", "NotFound"):
             return NotFoundError(f"{key!r} not found in {self.describe()}")
         return StoreError(f"{op} {key!r} in {self.describe()} failed: {e}")
