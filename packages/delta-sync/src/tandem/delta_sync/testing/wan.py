@@ -3,7 +3,8 @@
 A test/benchmark helper (needs root: see `netns.unavailable`). The layout:
 
     trainer (the caller) writes the origin store directory
-    origin ns   the package's HTTP server over that directory
+    origin ns   the package's HTTP server over that directory, or (`origin="s3"`) moto's S3
+                server, which the trainer reaches on the namespace's loopback (`trainer`)
        | uplink: tbf at `uplink_mbit`, shared by every region
     hub ns      one proxy per region adding that region's round trip (and resets on demand)
        | region link: tbf at the region's `rate_mbit`
@@ -23,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -34,12 +36,18 @@ import xxhash
 from tandem.delta_sync.dtypes import numpy_dtype
 from tandem.delta_sync.errors import DeltaSyncError
 from tandem.delta_sync.server import StoreServer
-from tandem.delta_sync.stores import HttpStore, LocalStore, RelayStore
+from tandem.delta_sync.stores import HttpStore, LocalStore, RelayStore, S3Store
+from tandem.delta_sync.stores.base import Store
 from tandem.delta_sync.subscriber import Subscriber
 from tandem.delta_sync.testing.netns import Namespaces, sh
 from tandem.delta_sync.testing.proxy import Proxy
 
 ORIGIN_PORT, RELAY_PORT, PROXY_PORT = 8080, 8081, 9000
+S3_CREDENTIALS = {
+    "aws_access_key_id": "wan",
+    "aws_secret_access_key": "wan",
+    "region_name": "us-east-1",
+}
 _CLONE_NEWNET = 0x40000000
 
 
@@ -85,10 +93,9 @@ def in_ns(ns: str) -> ThreadPoolExecutor:
 class Engine:
     """An inference engine: a Subscriber and a state, driven from its namespace's thread."""
 
-    def __init__(self, region: int, ns: str, url: str, workers: int, timeout: float, retries: int):
+    def __init__(self, region: int, ns: str, store: Store, workers: int):
         self.region = region
         self.thread = in_ns(ns)
-        store = HttpStore(url, timeout=timeout, retries=retries, backoff=0.2)
         self.sub = Subscriber(store, workers=workers)
         self.state: dict[str, np.ndarray] | None = None
 
@@ -138,7 +145,16 @@ class Wan:
         engine_workers: int = 1,
         http_timeout: float = 5.0,
         http_retries: int = 3,
+        origin: str = "http",
     ) -> None:
+        if origin not in ("http", "s3"):
+            raise DeltaSyncError(
+                f"origin must be 'http' (the package's server over a directory) or 's3' "
+                f"(moto's S3 server), got {origin!r}"
+            )
+        self.origin_kind = origin
+        self.bucket = f"wan-{uuid.uuid4().hex[:12]}"
+        self._bucket_made = False
         self.topology = topology
         self.root = Path(root)
         self.origin_dir = self.root / "origin"
@@ -147,7 +163,8 @@ class Wan:
         self.http_retries = http_retries
         self.ns: Namespaces | None = None
         self.threads: dict[str, ThreadPoolExecutor] = {}
-        self.origin: StoreServer | None = None
+        self.origin: Any = None  # StoreServer or moto's ThreadedMotoServer
+        self.trainer: ThreadPoolExecutor | None = None
         self.proxies: list[Proxy] = []
         self.relays: list[StoreServer | None] = []
         self.engines: list[Engine] = []
@@ -191,15 +208,15 @@ class Wan:
             ns.route(r, a, forward=True)
             ns.route(e, f"10.78.{i + 1}.1")
             ns.route_to(self.h, f"10.78.{i + 1}.0/30", b)
+        self.trainer = in_ns(self.o)
         self.start_origin()
         for i, spec in enumerate(self.topology.regions):
             proxy = Proxy(("10.77.0.1", ORIGIN_PORT), spec.rtt_ms / 1e3)
             self.proxies.append(self._run(self.h, proxy.start, f"10.77.{i + 1}.1", PROXY_PORT + i))
             self.relays.append(self._start_relay(i) if spec.relay else None)
-            url = self.relay_url(i) if spec.relay else self.proxy_url(i)
             for _ in range(spec.engines):
-                args = (self.engine_workers, self.http_timeout, self.http_retries)
-                self.engines.append(Engine(i, self.e[i], url, *args))
+                store = self._http(self.relay_url(i)) if spec.relay else self.upstream(i)
+                self.engines.append(Engine(i, self.e[i], store, self.engine_workers))
 
     def proxy_url(self, i: int) -> str:
         return f"http://10.77.{i + 1}.1:{PROXY_PORT + i}"
@@ -210,9 +227,55 @@ class Wan:
     def _http(self, url: str) -> HttpStore:
         return HttpStore(url, timeout=self.http_timeout, retries=self.http_retries, backoff=0.2)
 
+    def upstream(self, i: int) -> Store:
+        """The origin as region i reaches it: through the region's proxy and links."""
+        if self.origin_kind == "s3":
+            return self._s3(self.proxy_url(i))
+        return self._http(self.proxy_url(i))
+
+    def origin_store(self) -> Store:
+        """The store the trainer publishes to: the origin's directory, or the S3 server on
+        the origin namespace's loopback (then call it from `trainer`, a thread there)."""
+        if self.origin_kind == "s3":
+            return self._s3(f"http://127.0.0.1:{ORIGIN_PORT}")
+        return LocalStore(self.origin_dir)
+
+    def _s3(self, endpoint: str) -> S3Store:
+        return S3Store(
+            self.bucket,
+            "run",
+            endpoint_url=endpoint,
+            retries=self.http_retries + 1,
+            connect_timeout=self.http_timeout,
+            read_timeout=self.http_timeout,
+            **S3_CREDENTIALS,
+        )
+
     def start_origin(self) -> None:
         root = self.origin_dir
-        self.origin = self._run(self.o, lambda: StoreServer(root, "10.77.0.1", ORIGIN_PORT).start())
+        if self.origin_kind == "s3":
+            self.origin = self._run(self.o, self._start_s3)
+        else:
+            self.origin = self._run(
+                self.o, lambda: StoreServer(root, "10.77.0.1", ORIGIN_PORT).start()
+            )
+
+    def _start_s3(self) -> Any:
+        """moto's S3 server on every address of the origin namespace (its loopback for the
+        trainer, its link for the regions), with the bucket made on the first start; the
+        objects outlive a restart (moto keeps them in this process), as a bucket does."""
+        try:
+            from moto.server import ThreadedMotoServer
+        except ImportError:
+            raise DeltaSyncError(
+                "an S3 origin needs moto's server: pip install 'moto[server]'"
+            ) from None
+        server = ThreadedMotoServer("0.0.0.0", ORIGIN_PORT, verbose=False)
+        server.start()
+        if not self._bucket_made:
+            self.origin_store().client.create_bucket(Bucket=self.bucket)  # type: ignore[attr-defined]
+            self._bucket_made = True
+        return server
 
     def stop_origin(self) -> None:
         """The origin goes away as a failed machine does: its link goes down (transfers in
@@ -229,7 +292,7 @@ class Wan:
         self.start_origin()
 
     def _start_relay(self, i: int) -> StoreServer:
-        relay = RelayStore(self._http(self.proxy_url(i)), LocalStore(self.root / f"relay{i}"))
+        relay = RelayStore(self.upstream(i), LocalStore(self.root / f"relay{i}"))
 
         def start() -> StoreServer:
             return StoreServer(relay, f"10.78.{i + 1}.1", RELAY_PORT).start()
@@ -300,8 +363,9 @@ class Wan:
                 server.stop()
         for p in self.proxies:
             p.stop()
-        for t in self.threads.values():
+        for t in [*self.threads.values(), *([self.trainer] if self.trainer else [])]:
             t.shutdown(wait=True)
+        self.trainer = None
         self.engines, self.proxies, self.relays, self.threads, self.origin = [], [], [], {}, None
         if self.ns is not None:
             self.ns.close()
