@@ -165,10 +165,12 @@ def child(role: str, d: Path, workers: int, base: str) -> dict:
             mapped_base=base == "mapped",
         ) as pub:
             for version, state, tag in ((0, v0, "anchor_publish"), (1, v1, "delta_publish")):
+                os.sync()  # a training step's time between publishes: earlier writes are out
                 report, out[tag] = timed(lambda: pub.publish(version, state))  # noqa: B023
                 out[tag]["bytes"] = report.step_bytes
     elif role == "delta_pull":
         shutil.copyfile(d / "v0.safetensors", d / "engine.safetensors")
+        os.sync()  # the engine's file as it was before the step, not dirty from the copy
         engine, _ = load_safetensors(d / "engine.safetensors", mmap_mode="r+")
         with Subscriber(store, version=0, workers=workers, cache_dir=d / "cache") as sub:
             report, out[role] = timed(lambda: sub.pull(engine))
@@ -183,6 +185,7 @@ def child(role: str, d: Path, workers: int, base: str) -> dict:
         engine, _ = load_safetensors(d / "engine.safetensors", mmap_mode="r+")
         for a in engine.values():
             a.reshape(-1).view(np.uint16)[:] = 0
+        os.sync()
         with Subscriber(store, workers=workers, cache_dir=d / "cache") as sub:
             report, out[role] = timed(lambda: sub.pull(engine, version=0))
         out[role]["bytes"] = report.downloaded_bytes
