@@ -116,6 +116,9 @@ def test_both_regions_pull_from_the_s3_origin_through_their_links(wan) -> None:
 
 def test_the_origin_going_away_mid_publish_leaves_the_previous_version(wan) -> None:
     w, trainer = wan
+    if trainer.version < 0:  # run on its own: a version for the engines to hold first
+        trainer.publish()
+        pull_all(w, trainer)
     held = trainer.version
     trainer.change(fresh=True)  # a version of many new shards
     # one upload in flight at a time: when the third shard is handed over, two are stored
