@@ -154,7 +154,6 @@ class Wan:
             )
         self.origin_kind = origin
         self.bucket = f"wan-{uuid.uuid4().hex[:12]}"
-        self._bucket_made = False
         self.topology = topology
         self.root = Path(root)
         self.origin_dir = self.root / "origin"
@@ -210,6 +209,9 @@ class Wan:
             ns.route_to(self.h, f"10.78.{i + 1}.0/30", b)
         self.trainer = in_ns(self.o)
         self.start_origin()
+        if self.origin_kind == "s3":
+            bucket = self._s3(f"http://127.0.0.1:{ORIGIN_PORT}").client
+            self.trainer.submit(bucket.create_bucket, Bucket=self.bucket).result(timeout=30)
         for i, spec in enumerate(self.topology.regions):
             proxy = Proxy(("10.77.0.1", ORIGIN_PORT), spec.rtt_ms / 1e3)
             self.proxies.append(self._run(self.h, proxy.start, f"10.77.{i + 1}.1", PROXY_PORT + i))
@@ -262,8 +264,8 @@ class Wan:
 
     def _start_s3(self) -> Any:
         """moto's S3 server on every address of the origin namespace (its loopback for the
-        trainer, its link for the regions), with the bucket made on the first start; the
-        objects outlive a restart (moto keeps them in this process), as a bucket does."""
+        trainer, its link for the regions); the bucket and its objects outlive a restart
+        (moto keeps them in this process), as a bucket does."""
         try:
             from moto.server import ThreadedMotoServer
         except ImportError:
@@ -272,14 +274,12 @@ class Wan:
             ) from None
         server = ThreadedMotoServer("0.0.0.0", ORIGIN_PORT, verbose=False)
         server.start()
-        if not self._bucket_made:
-            self.origin_store().client.create_bucket(Bucket=self.bucket)  # type: ignore[attr-defined]
-            self._bucket_made = True
         return server
 
     def stop_origin(self) -> None:
         """The origin goes away as a failed machine does: its link goes down (transfers in
-        flight stall until their timeouts) and its server stops; its directory stays."""
+        flight stall until their timeouts) and its server stops; its directory (or bucket)
+        stays."""
         assert self.ns is not None
         self.ns.set_link(self.o, self.uplink_dev, up=False)
         if self.origin is not None:
