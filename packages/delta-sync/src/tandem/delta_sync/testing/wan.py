@@ -207,11 +207,12 @@ class Wan:
             ns.route(r, a, forward=True)
             ns.route(e, f"10.78.{i + 1}.1")
             ns.route_to(self.h, f"10.78.{i + 1}.0/30", b)
-        self.trainer = in_ns(self.o)
+        self.trainer = self.threads["trainer"] = in_ns(self.o)
         self.start_origin()
         if self.origin_kind == "s3":
-            bucket = self._s3(f"http://127.0.0.1:{ORIGIN_PORT}").client
-            self.trainer.submit(bucket.create_bucket, Bucket=self.bucket).result(timeout=30)
+            store = self.origin_store()
+            assert isinstance(store, S3Store)
+            self.trainer.submit(store.client.create_bucket, Bucket=self.bucket).result(timeout=30)
         for i, spec in enumerate(self.topology.regions):
             proxy = Proxy(("10.77.0.1", ORIGIN_PORT), spec.rtt_ms / 1e3)
             self.proxies.append(self._run(self.h, proxy.start, f"10.77.{i + 1}.1", PROXY_PORT + i))
@@ -254,13 +255,11 @@ class Wan:
         )
 
     def start_origin(self) -> None:
-        root = self.origin_dir
-        if self.origin_kind == "s3":
-            self.origin = self._run(self.o, self._start_s3)
-        else:
-            self.origin = self._run(
-                self.o, lambda: StoreServer(root, "10.77.0.1", ORIGIN_PORT).start()
-            )
+        start = self._start_s3 if self.origin_kind == "s3" else self._start_http
+        self.origin = self._run(self.o, start)
+
+    def _start_http(self) -> StoreServer:
+        return StoreServer(self.origin_dir, "10.77.0.1", ORIGIN_PORT).start()
 
     def _start_s3(self) -> Any:
         """moto's S3 server on every address of the origin namespace (its loopback for the
@@ -363,7 +362,7 @@ class Wan:
                 server.stop()
         for p in self.proxies:
             p.stop()
-        for t in [*self.threads.values(), *([self.trainer] if self.trainer else [])]:
+        for t in self.threads.values():  # the trainer's thread among them
             t.shutdown(wait=True)
         self.trainer = None
         self.engines, self.proxies, self.relays, self.threads, self.origin = [], [], [], {}, None
