@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from tandem.grpo import GRPOError, importance_weights, kl_estimate, kl_penalized_rewards
+from tandem.grpo import (
+    GRPOError,
+    forward_kl,
+    importance_weights,
+    kl_estimate,
+    kl_penalized_rewards,
+)
 
 B, T = 5, 9
 
@@ -179,3 +185,40 @@ def test_unknown_mode_and_shape_mismatch_raise() -> None:
         importance_weights(x, x, x.bool(), "bogus")  # type: ignore[arg-type]
     with pytest.raises(GRPOError, match="shape"):
         importance_weights(x, torch.zeros(2, 4), x.bool())
+
+
+def test_forward_kl_and_its_gradient_match_a_loop_over_the_vocabulary() -> None:
+    """KL(pi_ref || pi) = sum_v pi_ref(v) log(pi_ref(v) / pi(v)) per position, from plain
+    Python sums; its gradient w.r.t. the policy's logits is pi - pi_ref."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 7, generator=gen, dtype=torch.float64).requires_grad_()
+    ref_logits = torch.randn(3, 4, 7, generator=gen, dtype=torch.float64)
+    got = forward_kl(logits, ref_logits)
+    assert got.shape == (3, 4)
+    got.sum().backward()
+    for i in range(3):
+        for t in range(4):
+            z = [math.exp(x) for x in logits[i, t].tolist()]
+            zr = [math.exp(x) for x in ref_logits[i, t].tolist()]
+            p = [x / sum(z) for x in z]
+            q = [x / sum(zr) for x in zr]
+            want = sum(qv * math.log(qv / pv) for pv, qv in zip(p, q, strict=True))
+            assert got[i, t].item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+            grad = [pv - qv for pv, qv in zip(p, q, strict=True)]
+            assert logits.grad[i, t].tolist() == pytest.approx(grad, rel=1e-9, abs=1e-12)
+
+
+def test_forward_kl_is_zero_against_itself_and_charges_a_dropped_token() -> None:
+    """The same logits give exactly 0. A policy that moved all of a token's probability to
+    another pays log(1 / its share) in the forward KL, while the sampled estimators, which
+    see only the token it now samples, charge it far less."""
+    logits = torch.tensor([[0.0, 0.0]])
+    assert forward_kl(logits, logits).item() == 0.0
+    collapsed = torch.tensor([[0.0, -30.0]])  # the reference's second token, dropped
+    exact = forward_kl(collapsed, logits).item()
+    assert exact > 10.0  # 0.5 * (log 0.5 - log ~1e-13)
+    sampled = kl_estimate(
+        torch.tensor([[0.0]]), torch.tensor([[math.log(0.5)]]), torch.tensor([[True]]), "k2"
+    ).item()
+    assert sampled == pytest.approx(0.5 * math.log(2) ** 2)
+    assert sampled < exact / 20

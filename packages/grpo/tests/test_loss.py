@@ -256,3 +256,46 @@ def test_missing_inputs_raise_clear_errors() -> None:
         policy_loss(inp["logp"], inp["old"], torch.zeros(B + 1), inp["mask"], config=GRPOConfig())
     with pytest.raises(GRPOError, match="clip_eps_low"):
         GRPOConfig(clip_eps_low=1.5)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_forward_kl_from_the_hook_enters_the_loss_as_given(agg: str) -> None:
+    """With ``kl_estimator='forward'`` the per-token KL the hook computed is added as it is,
+    kl_coef times it on every loss token (masked positions ignored), with its gradient; the
+    sampled log-probs of a reference are not used."""
+    inp = random_inputs(9)
+    gen = torch.Generator().manual_seed(10)
+    kl_in = torch.rand(B, T, generator=gen, dtype=torch.float64)
+    kl_in[~inp["mask"]] = float("nan")  # garbage where the mask is off
+    cfg = GRPOConfig(loss_agg=agg, kl_coef=0.3, kl_estimator="forward", max_tokens=T)  # type: ignore[arg-type]
+    plain = GRPOConfig(loss_agg=agg, max_tokens=T)  # type: ignore[arg-type]
+    kl = kl_in.clone().requires_grad_()
+    loss, metrics = policy_loss(inp["logp"], inp["old"], inp["adv"], inp["mask"], config=cfg, kl=kl)
+    loss.backward()
+    without, _ = policy_loss(inp["logp"], inp["old"], inp["adv"], inp["mask"], config=plain)
+    # the KL term alone, aggregated as the policy term is, from a loop over the tokens
+    mask = inp["mask"]
+    terms = [[kl_in[i, t].item() for t in range(T) if mask[i, t]] for i in range(B)]
+    tokens = [x for row in terms for x in row]
+    rows = [row for row in terms if row]
+    kl_term = {
+        "token-mean": sum(tokens) / len(tokens),
+        "seq-mean-token-mean": sum(sum(r) / len(r) for r in rows) / len(rows),
+        "seq-mean-token-sum": sum(sum(r) for r in rows) / len(rows),
+        "constant": sum(sum(r) / T for r in terms) / B,
+    }[agg]
+    assert loss.item() == pytest.approx(without.item() + 0.3 * kl_term, rel=1e-9)
+    assert metrics["kl"].item() == pytest.approx(sum(tokens) / len(tokens), rel=1e-9)
+    assert torch.isfinite(kl.grad).all()
+    assert (kl.grad[~mask] == 0).all() and (kl.grad[mask] > 0).all()
+
+
+def test_forward_kl_needs_the_hooks_kl_and_loss_placement() -> None:
+    inp = random_inputs(11)
+    cfg = GRPOConfig(kl_coef=0.1, kl_estimator="forward")
+    with pytest.raises(GRPOError, match=r"ForwardOutput\.kl"):
+        policy_loss(
+            inp["logp"], inp["old"], inp["adv"], inp["mask"], config=cfg, ref_logprobs=inp["ref"]
+        )
+    with pytest.raises(GRPOError, match="kl_placement"):
+        GRPOConfig(kl_coef=0.1, kl_estimator="forward", kl_placement="reward")

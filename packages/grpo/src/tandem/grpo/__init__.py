@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tandem.grpo.config import GRPOConfig
     from tandem.grpo.errors import GRPOError
     from tandem.grpo.importance import importance_weights
-    from tandem.grpo.kl import kl_estimate, kl_penalized_rewards
+    from tandem.grpo.kl import forward_kl, kl_estimate, kl_penalized_rewards
     from tandem.grpo.loss import policy_loss, policy_ratio
     from tandem.grpo.trainer import GRPOStep
 
@@ -46,6 +46,7 @@ _HOME = {
     "causal_lm_forward": "batch",
     "group_advantages": "advantages",
     "importance_weights": "importance",
+    "forward_kl": "kl",
     "kl_estimate": "kl",
     "kl_penalized_rewards": "kl",
     "next_token_logprobs": "batch",
@@ -66,6 +67,7 @@ __all__ = [
     "__version__",
     "aggregate",
     "causal_lm_forward",
+    "forward_kl",
     "group_advantages",
     "importance_weights",
     "kl_estimate",

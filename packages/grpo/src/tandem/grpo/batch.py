@@ -146,10 +146,13 @@ def group_owners(batch: RolloutBatch, world_size: int) -> torch.Tensor:
 
 
 class ForwardOutput(NamedTuple):
-    """What a forward hook returns: per-token log-probs [b, T] and optional entropy [b, T]."""
+    """What a forward hook returns: per-token log-probs [b, T], optional entropy [b, T], and
+    the optional exact KL to the reference [b, T] that ``kl_estimator='forward'`` needs (the
+    hook holds the reference's whole distributions; the loss only sees these numbers)."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
 
 
 ForwardFn = Callable[[torch.nn.Module, RolloutBatch], "ForwardOutput | torch.Tensor"]

@@ -18,7 +18,7 @@ from tandem.grpo.errors import GRPOError
 
 RatioLevel = Literal["token", "sequence"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "forward"]
 KLPlacement = Literal["loss", "reward"]
 ISMode = Literal["none", "token_tis", "token_mis", "sequence_mis", "geometric_mis"]
 
@@ -63,7 +63,15 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     KL to a reference policy
         kl_coef: 0 disables the penalty (and the need for reference log-probs).
         kl_estimator: Schulman's k1 (log p/q), k2 (half squared log ratio) or k3
-            ((q/p - 1) - log q/p). Composer 2 used k1: k3's variance grows as the policies drift.
+            ((q/p - 1) - log q/p), from the sampled tokens' log-probs; Composer 2 used k1: k3's
+            variance grows as the policies drift. Or ``forward``: the exact KL(pi_ref || pi)
+            over the whole vocabulary at every loss position, which the forward hook computes
+            (`ForwardOutput.kl`, e.g. with `forward_kl`). The sampled estimators only see
+            tokens the policy still samples, so they barely charge it for a next token the
+            reference gave real probability and the policy has dropped; the forward KL's
+            gradient pushes each such token back towards the reference's probability
+            (mass-covering), which is what keeps RL from unlearning an answer it stopped
+            trying. Loss placement only.
         kl_placement: ``loss`` adds kl_coef * KL per token to the loss; ``reward`` subtracts
             kl_coef * (sum of per-token KL of the rollout) from each reward before advantages.
 
@@ -126,6 +134,12 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             raise bad("dual_clip", "must be > 1 (typical: 3.0) or None to disable dual clipping")
         if not (math.isfinite(self.log_ratio_clamp) and 0 < self.log_ratio_clamp <= 80):
             raise bad("log_ratio_clamp", "must be in (0, 80] so exp() stays finite in fp32")
+        if self.kl_estimator == "forward" and self.kl_placement != "loss":
+            raise bad(
+                "kl_placement",
+                "must be 'loss' with kl_estimator='forward' (the hook computes that KL in the "
+                "gradient pass, after the rewards are turned into advantages)",
+            )
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be >= 1 (the maximum loss tokens per trajectory)")
         if not (math.isfinite(self.is_cap) and self.is_cap > 0):

@@ -44,6 +44,18 @@ def kl_estimate(
     return torch.where(mask, kl, torch.zeros_like(kl))
 
 
+def forward_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(pi_ref || pi) of each position's next-token distribution, over the whole
+    vocabulary: ``sum_v pi_ref(v) (log pi_ref(v) - log pi(v))`` for logits [..., V] of the
+    policy (with gradient) and of the reference (taken as constants). Shape [...].
+
+    Its gradient with respect to the policy's logits is ``pi - pi_ref``: every token the
+    reference gives probability and the policy has dropped is pushed back, sampled or not."""
+    logp = torch.log_softmax(as_float(logits), dim=-1)
+    ref_logp = torch.log_softmax(as_float(ref_logits.detach()), dim=-1)
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+
+
 def kl_penalized_rewards(
     rewards: torch.Tensor,
     logprobs: torch.Tensor,

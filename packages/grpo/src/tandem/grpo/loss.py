@@ -61,6 +61,7 @@ def policy_loss(
     is_weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     normalizer: LossNormalizer | None = None,
+    kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss to minimise and detached metrics (token means over ``mask``).
 
@@ -74,6 +75,9 @@ def policy_loss(
         is_weights: [B, T] importance weights multiplying the policy-gradient term.
         entropy: [B, T] per-token entropy; needed when ``entropy_coef > 0``.
         normalizer: denominators of the global batch when this is one micro-batch of it.
+        kl: [B, T] the exact per-token KL to the reference that the forward hook computed;
+            needed with ``kl_estimator='forward'`` and ``kl_coef > 0`` (``ref_logprobs`` is
+            then not used).
 
     Metrics: ``loss``, ``pg_loss``, ``clip_frac`` (tokens whose clipped branch is active, so
     their gradient is zero), ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``,
@@ -86,6 +90,7 @@ def policy_loss(
         ref_logprobs=ref_logprobs,
         is_weights=is_weights,
         entropy=entropy,
+        kl=kl,
     )
     logprobs, old_logprobs = as_float(logprobs), as_float(old_logprobs)
     if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
@@ -114,11 +119,20 @@ def policy_loss(
         pg = pg * as_float(is_weights.detach())
 
     per_token = pg
-    kl = None
-    if ref_logprobs is not None:
+    if config.kl_estimator == "forward":
+        if kl is not None:
+            kl = torch.where(mask, as_float(kl), torch.zeros_like(pg))
+        elif config.kl_coef > 0:
+            raise GRPOError(
+                "kl_estimator='forward' with kl_coef > 0 needs the per-token KL from the "
+                "forward hook (ForwardOutput.kl); return it or use a sampled estimator"
+            )
+    elif ref_logprobs is not None:
         kl = kl_estimate(
             logprobs, as_float(ref_logprobs), mask, config.kl_estimator, config.log_ratio_clamp
         )
+    else:
+        kl = None
     if config.kl_coef > 0 and config.kl_placement == "loss":
         if kl is None:
             raise GRPOError(

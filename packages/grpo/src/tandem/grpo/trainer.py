@@ -149,6 +149,12 @@ class GRPOStep:
                 "forward_fn returned log-probs without gradient; do not detach "
                 "them or run the model under torch.no_grad()"
             )
+        forward_kl = self.config.kl_estimator == "forward" and self.config.kl_coef > 0
+        if forward_kl and (out.kl is None or not out.kl.requires_grad):
+            raise GRPOError(
+                "kl_estimator='forward' needs forward_fn to return the per-token KL to the "
+                "reference with gradient (ForwardOutput.kl)"
+            )
         if self.config.entropy_coef > 0 and (out.entropy is None or not out.entropy.requires_grad):
             raise GRPOError("entropy_coef > 0 needs forward_fn to return entropy with gradient")
         return out
@@ -301,6 +307,7 @@ class GRPOStep:
             is_weights=weights,
             entropy=out.entropy,
             normalizer=normalizer,
+            kl=out.kl,
         )
         self.accelerator.backward(loss * scale)
         if scale == 0.0:
