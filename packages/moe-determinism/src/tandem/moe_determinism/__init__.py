@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tandem.moe_determinism.errors import MoEDeterminismError
-    from tandem.moe_determinism.logprobs import sampling_logits, target_logprobs
+    from tandem.moe_determinism.logprobs import (
+        sampling_logits,
+        target_logprobs,
+        target_logprobs_entropy,
+    )
     from tandem.moe_determinism.metrics import (
         LogprobComparison,
         RoutingAgreement,
@@ -59,6 +63,7 @@ _HOME = {
     "sampling_logits": "logprobs",
     "save_hf": "model",
     "target_logprobs": "logprobs",
+    "target_logprobs_entropy": "logprobs",
 }
 __all__ = [
     "KVCache",
@@ -84,6 +89,7 @@ __all__ = [
     "sampling_logits",
     "save_hf",
     "target_logprobs",
+    "target_logprobs_entropy",
 ]
 
 

@@ -37,3 +37,19 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     themselves (the engine passes one row per sampled token, the trainer the logits of
     positions 0..n-2 with tokens 1..n-1)."""
     return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def target_logprobs_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_logprobs` (the same bits: one fp32 log-softmax, then the gather) and the
+    entropy of each position's whole distribution, from that one log-softmax.
+
+    The entropy is how spread the policy still is over its next token: RL that settles on
+    one answer per prompt shows it falling. Without ``entropy_grad`` it is a metric and takes
+    no part in the backward pass."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp.exp() * logp).sum(-1)
+    return lp, entropy
