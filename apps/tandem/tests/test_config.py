@@ -180,7 +180,7 @@ def test_dump_round_trips() -> None:
         ("trainer.loss.kl_coef=-0.1", r"trainer\.loss: GRPOConfig\.kl_coef=-0\.1: must be a fin"),
         ("trainer.loss.kl_estimator='k4'", r"trainer\.loss\.kl_estimator"),
         ("trainer.loss.micro_batch_size=0", r"trainer\.loss: GRPOConfig\.micro_batch_size=0"),
-        ("trainer.loss.entropy_coef=0.1", r"trainer: loss\.entropy_coef: must be 0"),
+        ("trainer.loss.entropy_coef=-0.1", r"GRPOConfig\.entropy_coef=-0\.1: must be a finite"),
         ("rl.torch_threads=-1", r"rl: torch_threads: must be >= 0"),
         ("env.max_turns=0", r"env: max_turns must be >= 1"),
         ("env.sandbox.limits.pids=0", r"env\.sandbox\.limits: pids must be > 0"),

@@ -57,7 +57,7 @@ def test_shared_scoring_is_bitwise_whole_scoring_and_the_engine(
     fed = int((batch.attention_mask.sum(1) - 1).sum())
     assert len(layout.tokens) == fed - layout.shared_tokens
     with torch.no_grad(), batch_invariant():
-        shared = score_shared(tiny_policy, batch, replay)
+        shared = score_shared(tiny_policy, batch, replay).logprobs
         whole, _, _ = score(tiny_policy, batch, replay)
     mask = batch.loss_mask
     assert int(mask.sum()) > 20
@@ -85,7 +85,7 @@ def test_differing_recorded_routes_end_the_shared_prefix(
     assert SharedLayout(batch, match_routes=True).shared_tokens == 3 * cut
     assert SharedLayout(batch, match_routes=False).shared_tokens >= 3 * (prompt_len - 2)
     with torch.no_grad(), batch_invariant():
-        shared = score_shared(tiny_policy, batch, "R3")
+        shared = score_shared(tiny_policy, batch, "R3").logprobs
         whole, _, _ = score(tiny_policy, batch, "R3")
     real = batch.attention_mask.clone()
     real[:, 0] = False
@@ -136,7 +136,7 @@ def test_rows_without_a_token_to_score_give_zeros(chat, tiny_policy, make_engine
     ]
     batch = collate([short])
     assert len(SharedLayout(batch, match_routes=True).tokens) == 0
-    assert torch.equal(score_shared(tiny_policy, batch, "R3"), torch.zeros(2, 1))
+    assert torch.equal(score_shared(tiny_policy, batch, "R3").logprobs, torch.zeros(2, 1))
 
 
 def test_samples_without_routes_are_replayed_from_the_trainers_own_routes(

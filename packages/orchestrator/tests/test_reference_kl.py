@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandem.grpo import GRPOConfig
-from tandem.moe_determinism import MoETransformer, batch_invariant, compare_logprobs
+from tandem.moe_determinism import (
+    MoETransformer,
+    RouterReplay,
+    RoutingTrace,
+    batch_invariant,
+    compare_logprobs,
+)
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.training.collate import collate
+from tandem.orchestrator.training.prefix_scoring import score_shared
 from tandem.orchestrator.training.scoring import score
 from tandem.orchestrator.training.trainer import RLTrainer
 
@@ -74,3 +82,94 @@ def test_given_reference_weights_are_the_reference(tiny_policy, two_groups) -> N
 
 def test_without_a_penalty_there_is_no_reference(tiny_policy) -> None:
     assert RLTrainer(clone_model(tiny_policy), _config(0.0)).reference is None
+
+
+def _forward_config(kl_coef: float, updates: int = 1) -> TrainerConfig:
+    loss = GRPOConfig(kl_coef=kl_coef, kl_estimator="forward", clip_eps_high=0.28, max_tokens=512)
+    return TrainerConfig(lr=3e-3, routing_check_rows=0, updates_per_step=updates, loss=loss)
+
+
+def test_the_hooks_forward_kl_is_the_whole_distributions_kl(tiny_policy, two_groups) -> None:
+    """Every token's KL(reference || policy), from the shared-prefix pass, against float64
+    sums over the vocabulary of two separate whole-row forwards (policy and reference,
+    each replaying the engine's experts); a frozen copy of the policy gives exactly 0."""
+    reference = clone_model(tiny_policy)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    batch = collate(two_groups)
+    with torch.no_grad(), batch_invariant(True):
+        scored = score_shared(tiny_policy, batch, "R3", reference=reference)
+        same = score_shared(tiny_policy, batch, "R3", reference=clone_model(tiny_policy))
+    assert scored.kl is not None and same.kl is not None
+    assert torch.count_nonzero(same.kl) == 0
+    fed = (batch.attention_mask.sum(1) - 1).tolist()
+    checked = 0
+    for row, n in enumerate(fed):
+        one = batch.select(torch.tensor([row]))
+        inputs = one.input_ids[:, :n]
+        routes = one.extras["routes"][0, :n].numpy()
+        logits = {}
+        with torch.no_grad():
+            for name, model in (("policy", tiny_policy), ("reference", reference)):
+                trace = RoutingTrace.from_ids(routes, model.config.num_experts)
+                out = model(inputs, torch.tensor([n]), routing=RouterReplay([trace], "R3"))
+                logits[name] = out.logits[0].double()
+        logq = torch.log_softmax(logits["policy"], -1)
+        logp = torch.log_softmax(logits["reference"], -1)
+        want = (logp.exp() * (logp - logq)).sum(-1)
+        torch.testing.assert_close(scored.kl[row, 1 : n + 1].double(), want, atol=2e-5, rtol=1e-4)
+        assert torch.count_nonzero(scored.kl[row, n + 1 :]) == 0  # padding
+        checked += n
+    assert checked > 50
+
+
+def _forward_kl_to(start: MoETransformer, model: MoETransformer, groups) -> float:
+    """Mean KL(start || model) per loss token of ``groups``, over the whole vocabulary."""
+    batch = collate(groups)
+    with torch.no_grad(), batch_invariant(True):
+        kl = score_shared(model, batch, "R3", reference=start).kl
+    assert kl is not None
+    return float(kl[batch.loss_mask].mean())
+
+
+def test_forward_kl_penalty_starts_at_zero_and_holds_the_policy_near_its_start(
+    tiny_policy, two_groups
+) -> None:
+    """The penalty is measured where it acts: the forward KL to the start over the whole
+    vocabulary (the sampled estimators would mostly see the tokens RL made likelier)."""
+    kl = {}
+    for coef in (0.0, 20.0):
+        config = _forward_config(coef) if coef else _config(0.0)
+        trainer = RLTrainer(clone_model(tiny_policy), config)
+        for version in range(6):
+            metrics = trainer.step(two_groups, version)
+            if coef and version == 0:
+                assert metrics["kl"] == 0.0  # the policy is its reference before an update
+        if coef:
+            assert metrics["kl"] > 0.0
+        kl[coef] = _forward_kl_to(tiny_policy, trainer.model, two_groups)
+    assert kl[0.0] > 0
+    assert kl[20.0] < 0.5 * kl[0.0]
+
+
+def test_kl_check_rows_measure_the_distance_to_the_start(tiny_policy, two_groups) -> None:
+    """Without a penalty, ``kl_check_rows`` keeps the start policy to measure how far the
+    policy moved: 0 before the first update, then the k3 of the trainer's pre-update
+    log-probs against an independent scoring of the same rows by the start weights."""
+    config = TrainerConfig(lr=3e-3, routing_check_rows=0, kl_check_rows=3)
+    trainer = RLTrainer(clone_model(tiny_policy), config)
+    first = trainer.step(two_groups, 0)
+    assert first["kl_to_start_k3"] == 0.0 and first["kl_to_start_tokens"] > 0
+    moved = clone_model(trainer.model)  # the weights the next step starts from
+    second = trainer.step(two_groups, 1)
+    batch = collate(two_groups)
+    rows = torch.arange(3)
+    with torch.no_grad(), batch_invariant(True):
+        now = score(moved, batch, "R3")[0][rows]
+        before = score(tiny_policy, batch, "R3")[0][rows]
+    want = compare_logprobs(now, before, batch.loss_mask[rows])
+    assert second["kl_to_start_tokens"] == want.tokens
+    assert second["kl_to_start_k3"] == pytest.approx(want.kl_k3, rel=1e-5)
+    assert second["kl_to_start_k3"] > 0

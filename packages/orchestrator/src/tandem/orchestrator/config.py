@@ -105,6 +105,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``replay``: R3 replays the experts the engine used, R2 the trainer's own no-grad pass,
     ``none`` lets the trainer route freely. ``routing_check_rows``: rows per step re-run
     without replay to measure routing agreement without it (0 disables the extra pass).
+    ``kl_check_rows``: rows per step also scored by the policy the run started from, for
+    the KL-to-start metrics (``kl_to_start_k1``/``_k3``: how far RL has moved the policy);
+    0 disables that pass. With ``loss.kl_coef`` > 0 every row is scored anyway.
     ``processes``: data-parallel trainer ranks (Ray actors on the ``ray`` backend). The
     ``local`` backend trains in one process that accumulates gradients as that many ranks
     would, so the same config gives the same weights on both backends. ``parallel``: how
@@ -127,6 +130,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.99])
     replay: Literal["R3", "R2", "none"] = "R3"
     routing_check_rows: int = 4
+    kl_check_rows: int = 0
     processes: int = 1
     parallel: Literal["ddp", "fsdp"] = "fsdp"
     share_prefixes: bool = True
@@ -135,11 +139,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", "must be > 0")
-        _require(
-            self.loss.entropy_coef == 0,
-            "loss.entropy_coef",
-            "must be 0: the RL trainer's scoring pass computes no entropy",
-        )
+        _require(self.kl_check_rows >= 0, "kl_check_rows", "must be >= 0 (0: no KL check)")
         _require(self.processes >= 1, "processes", "must be >= 1")
         _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
         _require(len(self.betas) == 2, "betas", "must be two numbers")

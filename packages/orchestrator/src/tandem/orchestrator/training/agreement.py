@@ -26,13 +26,8 @@ def mismatch(
     """Trainer (gradient pass, ``captured``) vs engine log-probs on the samples the update
     scored; ``same``: the rows whose every token came from the trainer's version."""
     out: dict[str, Any] = {"same_version_samples": int(same.sum())}
-    rows = [int(r) for p in captured for r in p.rows.tolist()]
-    lps = [p.logprobs for p in captured]
-    if rows:
-        trainer_lp = torch.zeros_like(batch.rollout_logprobs)
-        trainer_lp[torch.tensor(rows)] = torch.cat(lps)
-        seen = torch.zeros(batch.num_sequences, dtype=torch.bool)
-        seen[torch.tensor(rows)] = True
+    trainer_lp, seen = _trainer_logprobs(batch, captured)
+    if bool(seen.any()):
         sel = same & seen
         if bool(sel.any()):
             cmp = compare_logprobs(
@@ -49,6 +44,43 @@ def mismatch(
         )
         out["offpolicy_k3_all"] = cmp_all.kl_k3
     return out
+
+
+def _trainer_logprobs(
+    batch: RolloutBatch, captured: Sequence[ScoredPass]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient pass's log-probs [B, T] in batch order, and which rows it scored."""
+    trainer_lp = torch.zeros_like(batch.rollout_logprobs)
+    seen = torch.zeros(batch.num_sequences, dtype=torch.bool)
+    rows = [int(r) for p in captured for r in p.rows.tolist()]
+    if rows:
+        trainer_lp[torch.tensor(rows)] = torch.cat([p.logprobs for p in captured])
+        seen[torch.tensor(rows)] = True
+    return trainer_lp, seen
+
+
+def kl_to_start(
+    batch: RolloutBatch,
+    rows: torch.Tensor,
+    start_logprobs: torch.Tensor,
+    captured: Sequence[ScoredPass],
+) -> dict[str, Any]:
+    """How far the policy has moved from the one the run started from: k1 and k3 estimates
+    of KL(policy || start) on the loss tokens of ``rows``, from the gradient pass's log-probs
+    (the weights before this step's update) and the start policy's ``start_logprobs``
+    [len(rows), T] of the same tokens. The tokens were sampled by the rollout's version, at
+    most ``max_staleness`` behind, so the estimates are close to, not exactly, on-policy."""
+    trainer_lp, seen = _trainer_logprobs(batch, captured)
+    keep = seen[rows]
+    if not bool(keep.any()):
+        return {}
+    rows = rows[keep]
+    cmp = compare_logprobs(trainer_lp[rows], start_logprobs[keep], batch.loss_mask[rows])
+    return {
+        "kl_to_start_k1": cmp.kl_k1,
+        "kl_to_start_k3": cmp.kl_k3,
+        "kl_to_start_tokens": cmp.tokens,
+    }
 
 
 def routing_check(

@@ -12,17 +12,29 @@ mismatch against the engine stays zero; the gradient is the same sum in another 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from tandem.grpo import RolloutBatch
+from tandem.grpo import RolloutBatch, forward_kl
 from tandem.moe_determinism import (
     MoETransformer,
     RouterReplay,
     RoutingTrace,
     sampling_logits,
-    target_logprobs,
+    target_logprobs_entropy,
 )
+
+
+class TokenScores(NamedTuple):
+    """Per-token log-probs [B, T] of a batch's tokens, the entropy [B, T] of the distribution
+    each was drawn from, and, when a reference was given, the exact KL(reference || policy)
+    [B, T] of that distribution (position 0 and padding 0)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    kl: torch.Tensor | None = None
 
 
 class SharedLayout:
@@ -33,9 +45,10 @@ class SharedLayout:
     each sequence's tokens; ``index`` [B, T - 1]: the flat position of row b's token t (N
     where the row has none), so the row's log-probs are a gather from the flat ones.
     ``shared_tokens``: the tokens not fed again (each prefix once per row beyond the first).
+    With ``share`` False every row is fed whole (no prefix is shared).
     """
 
-    def __init__(self, batch: RolloutBatch, match_routes: bool) -> None:
+    def __init__(self, batch: RolloutBatch, match_routes: bool, share: bool = True) -> None:
         ids = batch.input_ids
         assert batch.attention_mask is not None
         b, t = ids.shape
@@ -60,7 +73,11 @@ class SharedLayout:
             return first
 
         for rows in self._groups(batch):
-            shared = self._common_prefix(ids, routes, rows, [fed[r] for r in rows], match_routes)
+            shared = 0
+            if share:
+                shared = self._common_prefix(
+                    ids, routes, rows, [fed[r] for r in rows], match_routes
+                )
             parent, first = -1, 0
             if shared:
                 parent, first = len(parents), add(rows[0], 0, shared, -1)
@@ -119,25 +136,44 @@ def score_shared(
     temperature: float = 1.0,
     layout: SharedLayout | None = None,
     vocab: int | None = None,
-) -> torch.Tensor:
+    *,
+    entropy_grad: bool = False,
+    reference: MoETransformer | None = None,
+) -> TokenScores:
     """Log-probs [B, T] of ``batch`` (position 0 and padding 0), as `trainer.score` gives
     them on every real token, with each group's common prefix computed once (``layout``:
-    this batch's, if the caller already built it)."""
+    this batch's, if the caller already built it), and each position's entropy (with its
+    gradient when ``entropy_grad``, for an entropy bonus in the loss). With ``reference``
+    (a frozen policy, fed the same tokens under the same routes, without gradient) also the
+    exact forward KL of every position's distribution to the reference's."""
     if layout is None:
         layout = SharedLayout(batch, match_routes=replay == "R3")
     if not layout.routes:  # no row has a token to score (every row is one token)
-        return torch.zeros_like(batch.input_ids, dtype=torch.float32)
+        zeros = torch.zeros_like(batch.input_ids, dtype=torch.float32)
+        return TokenScores(zeros, zeros.clone(), None if reference is None else zeros.clone())
     n_exp = getattr(model, "module", model).config.num_experts  # DDP wraps the model
     kwargs = {"cu_seqlens": layout.cu_seqlens, "parents": layout.parents}
-    routing = None
+    traces = None
     if replay == "R3":
         traces = [RoutingTrace.from_ids(r.long().numpy(), n_exp) for r in layout.routes]
-        routing = RouterReplay(traces, "R3")
     elif replay == "R2":
         with torch.no_grad():
-            own = model(layout.tokens, **kwargs)
-        routing = RouterReplay(own.traces(), "R2")
-    out = model(layout.tokens, routing=routing, **kwargs)
-    flat = target_logprobs(sampling_logits(out.logits, temperature, vocab), layout.targets)
-    lp = torch.cat([flat, flat.new_zeros(1)])[layout.index]
-    return F.pad(lp, (1, 0))
+            traces = model(layout.tokens, **kwargs).traces()
+    mode = "R3" if replay == "R3" else "R2"
+
+    def routing() -> RouterReplay | None:  # each pass consumes its own copy of the routes
+        return None if traces is None else RouterReplay(traces, mode)
+
+    out = model(layout.tokens, routing=routing(), **kwargs)
+    logits = sampling_logits(out.logits, temperature, vocab)
+    flat, entropy = target_logprobs_entropy(logits, layout.targets, entropy_grad=entropy_grad)
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return F.pad(torch.cat([values, values.new_zeros(1)])[layout.index], (1, 0))
+
+    kl = None
+    if reference is not None:
+        with torch.no_grad():
+            ref = reference(layout.tokens, routing=routing(), **kwargs)
+        kl = per_row(forward_kl(logits, sampling_logits(ref.logits, temperature, vocab)))
+    return TokenScores(per_row(flat), per_row(entropy), kl)

@@ -23,7 +23,7 @@ from tandem.moe_determinism import (
     sampling_logits,
     target_logprobs,
 )
-from tandem.orchestrator.training.prefix_scoring import SharedLayout, score_shared
+from tandem.orchestrator.training.prefix_scoring import SharedLayout, TokenScores, score_shared
 
 
 def _traces(routes: torch.Tensor, lengths: torch.Tensor, num_experts: int) -> list[RoutingTrace]:
@@ -83,7 +83,12 @@ class ScoredPass(NamedTuple):
 
 class ReplayScorer:
     """The GRPO forward hook: scores each micro-batch under the run's replay mode, and keeps
-    what it computed for the mismatch check and the metrics."""
+    what it computed for the mismatch check and the metrics.
+
+    Every position's entropy comes with the log-probs (with its gradient when the loss has an
+    entropy bonus, ``entropy_grad``). With a ``reference`` policy the hook also feeds it the
+    same tokens under the same routes and returns the exact forward KL to it per token, for
+    ``loss.kl_estimator = "forward"``."""
 
     def __init__(
         self,
@@ -91,11 +96,16 @@ class ReplayScorer:
         temperature: float,
         share_prefixes: bool = True,
         vocab: int | None = None,
+        *,
+        entropy_grad: bool = False,
+        reference: MoETransformer | None = None,
     ) -> None:
         self.replay = replay
         self.temperature = temperature
         self.vocab = vocab  # the tokenizer's ids (a padded embedding's rows past it are not)
         self.share_prefixes = share_prefixes
+        self.entropy_grad = entropy_grad
+        self.reference = reference
         self.captured: list[ScoredPass] = []
         self.replayed: set[str] = set()  # the modes `logprobs` used (see `replay_for`)
 
@@ -107,20 +117,31 @@ class ReplayScorer:
             return "R2"
         return self.replay
 
-    def logprobs(
-        self, model: torch.nn.Module, micro: RolloutBatch
-    ) -> tuple[torch.Tensor, int, int]:
-        """Log-probs [B, T] of ``micro`` under ``model``, the tokens fed, the tokens shared."""
+    def scores(
+        self,
+        model: torch.nn.Module,
+        micro: RolloutBatch,
+        reference: MoETransformer | None = None,
+    ) -> tuple[TokenScores, SharedLayout]:
+        """``micro`` scored by ``model`` (see `score_shared`; each group's common prefix fed
+        once with ``share_prefixes``), and the layout it was fed in."""
         replay = self.replay_for(micro)
         self.replayed.add(replay)
-        if self.share_prefixes:
-            layout = SharedLayout(micro, match_routes=replay == "R3")
-            lp = score_shared(model, micro, replay, self.temperature, layout, self.vocab)  # type: ignore[arg-type]
-            return lp, len(layout.tokens), layout.shared_tokens
-        lp, _, counts = score(model, micro, replay, self.temperature, self.vocab)  # type: ignore[arg-type]
-        return lp, sum(counts), 0
+        layout = SharedLayout(micro, match_routes=replay == "R3", share=self.share_prefixes)
+        scored = score_shared(
+            model,  # type: ignore[arg-type]
+            micro,
+            replay,
+            self.temperature,
+            layout,
+            self.vocab,
+            entropy_grad=self.entropy_grad,
+            reference=reference,
+        )
+        return scored, layout
 
     def __call__(self, model: torch.nn.Module, micro: RolloutBatch) -> ForwardOutput:
-        lp, fed, shared = self.logprobs(model, micro)
-        self.captured.append(ScoredPass(micro.extras["row"], lp.detach(), fed, shared))
-        return ForwardOutput(lp)
+        scored, layout = self.scores(model, micro, self.reference)
+        fed, shared = len(layout.tokens), layout.shared_tokens
+        self.captured.append(ScoredPass(micro.extras["row"], scored.logprobs.detach(), fed, shared))
+        return ForwardOutput(scored.logprobs, scored.entropy, scored.kl)

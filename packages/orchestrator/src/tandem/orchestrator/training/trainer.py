@@ -20,7 +20,7 @@ import torch
 from tandem.grpo import GRPOStep, RolloutBatch, shard_by_group
 from tandem.moe_determinism import MoETransformer, batch_invariant
 from tandem.orchestrator.config import TrainerConfig
-from tandem.orchestrator.training.agreement import mismatch, routing_check
+from tandem.orchestrator.training.agreement import kl_to_start, mismatch, routing_check
 from tandem.orchestrator.training.collate import collate
 from tandem.orchestrator.training.scoring import ReplayScorer
 from tandem.orchestrator.training.sharding import shard_model
@@ -45,7 +45,8 @@ class RLTrainer:
     builds its trainer before it loads the checkpoint). Each step scores the batch with it,
     under the same replay as the update, for GRPO's KL penalty, which keeps RL from drifting
     far from what mid-training taught. The reference costs one more no-grad forward per step
-    and one more copy of the weights per rank. ``vocab``: the tokenizer's ids; rows of a
+    and one more copy of the weights per rank. Without the penalty, ``kl_check_rows`` > 0
+    keeps it too and scores that many rows per step, for the KL-to-start metric alone. ``vocab``: the tokenizer's ids; rows of a
     padded embedding past them are not scored, as the engine never samples them.
     """
 
@@ -67,8 +68,17 @@ class RLTrainer:
         self.deterministic = deterministic
         self.model = model
         # copied before sharding: every rank scores its share of the batch with whole weights
-        self.reference = frozen_copy(model, reference) if config.loss.kl_coef > 0 else None
-        self.hook = ReplayScorer(config.replay, temperature, config.share_prefixes, vocab)
+        keep_start = config.loss.kl_coef > 0 or config.kl_check_rows > 0
+        self.reference = frozen_copy(model, reference) if keep_start else None
+        forward_kl = config.loss.kl_coef > 0 and config.loss.kl_estimator == "forward"
+        self.hook = ReplayScorer(
+            config.replay,
+            temperature,
+            config.share_prefixes,
+            vocab,
+            entropy_grad=config.loss.entropy_coef > 0,
+            reference=self.reference if forward_kl else None,
+        )
         self.rank, self.world = rank, world
         self.fsdp = config.parallel == "fsdp"
         # experts that none of a rank's tokens reach get no gradient on that rank
@@ -100,8 +110,7 @@ class RLTrainer:
         self.hook.replayed.clear()
         same = (batch.policy_version == version) & (batch.extras["max_version"] == version)
         with batch_invariant(self.deterministic):
-            if self.reference is not None:
-                batch.ref_logprobs = self._reference_logprobs(batch)
+            start_rows, start_lp = self._start_logprobs(batch)
             # before the update: the weights the rollouts' version had
             checks = routing_check(
                 self.model,
@@ -118,6 +127,8 @@ class RLTrainer:
                 metrics.update(self._more_updates(batch, version, shards))
         metrics.update(checks)
         metrics.update(mismatch(batch, same, self.hook.captured))
+        if start_lp is not None:
+            metrics.update(kl_to_start(batch, start_rows, start_lp, self.hook.captured))
         # one pass over the batch: tokens fed, and the prefix tokens sharing did not repeat
         metrics["trainer_tokens_fed"] = sum(p.tokens_fed for p in self.hook.captured)
         metrics["trainer_tokens_shared"] = sum(p.tokens_shared for p in self.hook.captured)
@@ -126,6 +137,20 @@ class RLTrainer:
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in metrics.items()
         }
+
+    def _start_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows scored by the start policy and their log-probs: every row, kept as the
+        KL penalty's reference, with ``loss.kl_coef`` > 0 and a sampled estimator; else the
+        first ``kl_check_rows`` (none when 0), for the KL-to-start metric alone (the forward
+        KL's reference scores each micro-batch inside the hook)."""
+        rows = torch.arange(batch.num_sequences)
+        if self.reference is None:
+            return rows[:0], None
+        if self.config.loss.kl_coef > 0 and self.hook.reference is None:
+            batch.ref_logprobs = self._reference_logprobs(batch)  # the sampled KL estimators'
+            return rows, batch.ref_logprobs
+        rows = rows[: self.config.kl_check_rows]
+        return rows, self._reference_logprobs(batch.select(rows))
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy's log-probs [B, T] of ``batch``, micro-batch by micro-batch."""
@@ -136,7 +161,8 @@ class RLTrainer:
         with torch.no_grad():
             for start in range(0, batch.num_sequences, size):
                 rows = torch.arange(start, min(start + size, batch.num_sequences))
-                lp, _, _ = self.hook.logprobs(self.reference, batch.select(rows).to(device))
+                scored, _ = self.hook.scores(self.reference, batch.select(rows).to(device))
+                lp = scored.logprobs
                 out[rows, : lp.shape[1]] = lp.to(out.device)
         return out
 
