@@ -175,6 +175,11 @@ class TaskCursor(Protocol):
 
     def next_index(self) -> int: ...
 
+    def category(self, index: int) -> str:
+        """Task ``index``'s category (function and bug kind), which the run's per-category
+        rewards are counted by."""
+        ...
+
     def record(self, index: int, rewards: Sequence[float]) -> None:
         """A finished group of task ``index`` (the curriculum learns from its rewards)."""
         ...

@@ -3,7 +3,8 @@
 Every schedule gets its groups here. A group whose episodes were cut or whose sandbox failed
 is dropped whole (nothing partial reaches the trainer); so is one an infrastructure fault
 touched, since its rewards say nothing about the policy. The reward hook, when set, replaces
-the environment's reward. The counters are the run's.
+the environment's reward. The counters are the run's, and so is the reward of each task
+category over every group played (`CategoryRewards`, equal-reward groups included).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import structlog
 
 from tandem.orchestrator.protocols import Rollouts, TaskCursor, WorkerLost
+from tandem.orchestrator.rl.category_rewards import CategoryRewards
 from tandem.orchestrator.rl.hooks import RunHooks
 from tandem.orchestrator.rl.signal import SignalFilter
 from tandem.orchestrator.rl.staleness import group_version
@@ -29,6 +31,7 @@ class GroupSource:
         self.cursor = cursor
         self.hooks = hooks
         self.signal = SignalFilter()
+        self.categories = CategoryRewards()
         self.trajectories = 0
         self.requeued = 0
         self.episodes_cut = 0
@@ -50,6 +53,7 @@ class GroupSource:
         if any(s.infra_fault for s in samples):
             log.warning("rl.group_dropped", reason="infrastructure fault", task=task_id)
             return None
+        self.categories.record(self.cursor.category(index), [s.reward for s in samples])
         group = Group(samples=list(samples), policy_version=group_version(samples))
         if self.hooks.on_group is not None:
             self.hooks.on_group(group)

@@ -278,6 +278,7 @@ class RLRun:
                         "groups_requeued": source.requeued,
                     },
                 )
+                stats["category_reward"] = source.categories.take()
                 now = time.perf_counter()
                 stats["rollout_tokens_per_s"] = (
                     stats["rollout_tokens_sampled"] - rollout_tok0
@@ -331,4 +332,5 @@ class RLRun:
             last_metrics=last,
             engine_busy_s=final.busy_s,
             engine_s=final.workers * (t_end - rollout_t0),
+            category_reward=source.categories.totals(),
         )

@@ -21,6 +21,11 @@ def log_step(step: int, stats: dict[str, Any]) -> None:
         reward=r("reward"),
         pass_rate=r("pass_rate"),
         loss=r("loss", 4),
+        entropy=r("entropy"),
+        kl_to_start=r("kl_to_start_k3", 4),
+        category_reward={
+            c: row["reward"] for c, row in (stats.get("category_reward") or {}).items()
+        },
         mismatch_max=stats.get("mismatch_max_abs"),
         routing_free=r("routing_agreement_free", 4),
         staleness=stats.get("staleness_histogram"),

@@ -27,6 +27,8 @@ class RunSummary:
     last_metrics: dict[str, Any] = field(default_factory=dict)
     engine_busy_s: float = 0.0  # in engine steps, summed over engines
     engine_s: float = 0.0  # engines (at the end) x seconds from the first group on
+    # every group played, per task category: {category: {"groups": n, "reward": mean}}
+    category_reward: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def trainer_idle_fraction(self) -> float:

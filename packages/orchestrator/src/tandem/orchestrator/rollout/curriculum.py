@@ -88,6 +88,9 @@ class CuratedCursor:
     def task(self, index: int) -> Task:
         return self.tasks[index]
 
+    def category(self, index: int) -> str:
+        return task_category(self.tasks[index])
+
     def next_index(self) -> int:
         while True:
             index = self.cursor
