@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from rl_helpers import ENGINE, ENV, TINY
 
-from tandem.app.demo_report import CATEGORY_COLUMNS, category_rows
+from tandem.app.demo_report import CATEGORY_COLUMNS, category_rows, losses_line
 from tandem.orchestrator import RunConfig, build_model, evaluate_policy
 from tandem.orchestrator.artifacts.report import markdown_table
 from tandem.orchestrator.config import EvalConfig, TaskConfig
@@ -41,34 +41,69 @@ def test_evaluation_breaks_pass_at_1_down_by_the_tasks_categories() -> None:
     assert total == pytest.approx(result.pass_at[1])
 
 
-def _result(scores: dict[str, tuple[int, float]]) -> EvalResult:
+def _result(categories: list[str], solved: list[int]) -> EvalResult:
+    """A result of 4 samples per task: task i of ``categories[i]``, ``solved[i]`` solved."""
+    scores: dict[str, list[float]] = {}
+    for c, k in zip(categories, solved, strict=True):
+        scores.setdefault(c, []).append(k / 4)
     return EvalResult(
-        tasks=sum(n for n, _ in scores.values()),
+        tasks=len(solved),
         samples_per_task=4,
-        pass_at={1: 0.0},
+        pass_at={1: sum(solved) / (4 * len(solved))},
         mean_reward=0.0,
         format_error_rate=0.0,
         mean_turns=2.0,
         infra_faults=0,
-        by_category={c: CategoryScore(n, p) for c, (n, p) in scores.items()},
+        by_category={c: CategoryScore(len(v), sum(v) / len(v)) for c, v in sorted(scores.items())},
+        solved=solved,
+        categories=categories,
     )
 
 
+def _interval(diffs: list[float]) -> str:
+    """The normal 95% interval of a mean, in points, computed with the statistics module."""
+    import statistics
+
+    half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5
+    mean = statistics.fmean(diffs)
+    return f"{100 * (mean - half):+.1f} to {100 * (mean + half):+.1f}"
+
+
+CATS = ["gcd/off_by_one"] * 3 + ["gcd/swapped_arguments"] * 2
+
+
 def test_demo_category_table_gives_the_change_per_category() -> None:
-    before = _result({"gcd/off_by_one": (3, 0.25), "gcd/swapped_arguments": (2, 1.0)})
-    after = _result({"gcd/off_by_one": (3, 0.75), "gcd/swapped_arguments": (2, 0.5)})
-    rows = category_rows(before, after)
+    before = _result(CATS, [1, 1, 1, 4, 4])
+    after = _result(CATS, [3, 2, 4, 2, 2])
+    training = {"gcd/off_by_one": {"groups": 7, "reward": 0.625}}
+    rows = category_rows(before, after, training)
     assert rows == [
-        ("gcd/off_by_one", "3", "0.25", "0.75", "+50.0"),
-        ("gcd/swapped_arguments", "2", "1.00", "0.50", "-50.0"),
+        (
+            "gcd/off_by_one",
+            "3",
+            "0.25",
+            "0.75",
+            "+50.0",
+            _interval([0.5, 0.25, 0.75]),
+            "0.62 (7 groups)",
+        ),
+        ("gcd/swapped_arguments", "2", "1.00", "0.50", "-50.0", "-50.0 to -50.0", "n/a"),
     ]
     lines = markdown_table(rows, CATEGORY_COLUMNS).splitlines()
     assert len(lines) == 4
-    assert lines[0].split("|")[1:-1] == [
-        f" {c:<21} " if i == 0 else f" {c} " for i, c in enumerate(CATEGORY_COLUMNS)
-    ]
     assert lines[1].count("|") == len(CATEGORY_COLUMNS) + 1
-    assert lines[2] == "| gcd/off_by_one        | 3 | 0.25 | 0.75 | +50.0 |"
+    assert lines[2].startswith("| gcd/off_by_one        | 3 | 0.25 | 0.75 | +50.0 |")
+
+
+def test_categories_that_lost_more_than_ten_points_are_named_with_their_interval() -> None:
+    before = _result(CATS, [1, 1, 1, 4, 4])
+    lost = _result(CATS, [3, 2, 4, 4, 2])  # swapped arguments: -1.0 and -0.5 -> -25 points
+    line = losses_line(before, lost)
+    assert line == f"LOST: gcd/swapped_arguments -25.0 ({_interval([0.0, -0.5])}, 2 tasks)"
+    held = _result(CATS, [3, 2, 4, 4, 3])  # -12.5 points: still more than 10
+    assert losses_line(before, held).startswith("LOST: gcd/swapped_arguments -12.5")
+    kept = _result(CATS, [3, 2, 4, 4, 4])
+    assert losses_line(before, kept) == "none"
 
 
 def test_engine_replicas_play_every_episode_as_one_engine_does() -> None:

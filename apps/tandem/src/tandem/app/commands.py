@@ -202,7 +202,7 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
             ("RL, engine and trainer each", config.rl.torch_threads or threads),
         ),
     )
-    categories = category_rows(before, after)
+    categories = category_rows(before, after, summary.category_reward)
     print_table(rows, categories)
     report = write_demo_report(config, rows, dump_config(config), categories, before, after)
     print(f"report: {report}")

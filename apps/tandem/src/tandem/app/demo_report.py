@@ -9,6 +9,7 @@ from typing import Any
 from tandem.app.headline import band_line, cut_short_line, lift_line, paired_lift
 from tandem.app.machine import machine_line, this_machine
 from tandem.app.pipeline_config import PipelineConfig
+from tandem.app.rl_trace import trace_table
 
 
 def _values(records: list[dict[str, Any]], key: str) -> list[float]:
@@ -59,8 +60,30 @@ def headline_rows(
     rows += [
         ("held-out pass@1 lift, paired by task", lift_line(lift)),
         ("compared with the README", band_line(lift, demo.lift_band)),
+        (f"categories that lost more than {LOSS_FLAG_POINTS:g} points", losses_line(before, after)),
     ]
     return rows
+
+
+LOSS_FLAG_POINTS = 10.0
+"""A category whose held-out pass@1 fell by more than this many points is named beside the
+headline: RL that trades a category the policy could already do for another is unlearning,
+and a mean lift hides it."""
+
+
+def losses_line(before: Any, after: Any) -> str:
+    """The categories whose pass@1 fell by more than `LOSS_FLAG_POINTS`, each with its
+    change and paired 95% interval; "none" when there is none."""
+    from tandem.orchestrator import category_differences
+
+    if not before.categories:
+        return "n/a (the evaluations carry no task categories)"
+    lost = [
+        f"{name} {100 * d.mean:+.1f} ({100 * d.low:+.1f} to {100 * d.high:+.1f}, {d.tasks} tasks)"
+        for name, d in category_differences([after], [before]).items()
+        if 100 * d.mean < -LOSS_FLAG_POINTS
+    ]
+    return "LOST: " + "; ".join(lost) if lost else "none"
 
 
 def _run_rows(
@@ -172,18 +195,38 @@ def _run_rows(
     ]
 
 
-CATEGORY_COLUMNS = ("category", "tasks", "mid-trained", "RL-trained", "change (points)")
+CATEGORY_COLUMNS = (
+    "category",
+    "tasks",
+    "mid-trained",
+    "RL-trained",
+    "change (points)",
+    "95% interval",
+    "RL training reward",
+)
 
 
-def category_rows(before: Any, after: Any) -> list[tuple[str, ...]]:
-    """Held-out pass@1 per task category (function/bug kind), before and after RL: where the
-    change came from, and whether RL traded one category for another."""
-    from tandem.orchestrator import fmt
+def category_rows(
+    before: Any, after: Any, training: dict[str, dict[str, float]] | None = None
+) -> list[tuple[str, ...]]:
+    """Held-out pass@1 per task category (function/bug kind), before and after RL, with the
+    change paired by task and its 95% interval: where the change came from, and whether RL
+    traded one category for another. ``training``: the RL run's reward per category over
+    every group it played (`RunSummary.category_reward`)."""
+    from tandem.orchestrator import category_differences, fmt
 
+    differences = {}
+    if before.categories and after.categories:
+        differences = category_differences([after], [before])
+    training = training or {}
     rows = []
     for name in sorted(set(before.by_category) | set(after.by_category)):
         b, a = before.by_category.get(name), after.by_category.get(name)
         change = "n/a" if b is None or a is None else f"{100 * (a.pass_at_1 - b.pass_at_1):+.1f}"
+        d = differences.get(name)
+        interval = "n/a" if d is None else f"{100 * d.low:+.1f} to {100 * d.high:+.1f}"
+        seen = training.get(name)
+        trained = "n/a" if seen is None else f"{seen['reward']:.2f} ({seen['groups']} groups)"
         rows.append(
             (
                 name,
@@ -191,6 +234,8 @@ def category_rows(before: Any, after: Any) -> list[tuple[str, ...]]:
                 fmt(b.pass_at_1 if b else None, ".2f"),
                 fmt(a.pass_at_1 if a else None, ".2f"),
                 change,
+                interval,
+                trained,
             )
         )
     return rows
@@ -224,9 +269,10 @@ def write_demo_report(
     before: Any,
     after: Any,
 ) -> Path:
-    from tandem.orchestrator import markdown_table, plot_rewards, write_report
+    from tandem.orchestrator import markdown_table, plot_rewards, read_metrics, write_report
 
     run_dir = config.run_dir
+    header, trace = trace_table(read_metrics(run_dir / "rl" / "metrics.jsonl"))
     image = plot_rewards(
         run_dir / "rl" / "metrics.jsonl",
         run_dir / "reward_curve.png",
@@ -241,6 +287,15 @@ def write_demo_report(
             **(
                 {"Held-out pass@1 per task category": markdown_table(categories, CATEGORY_COLUMNS)}
                 if categories
+                else {}
+            ),
+            **(
+                {
+                    "RL step by step (training reward per category, every group played)": (
+                        markdown_table(trace, header)
+                    )
+                }
+                if trace
                 else {}
             ),
             "Artefacts": (

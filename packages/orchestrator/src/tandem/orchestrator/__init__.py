@@ -34,7 +34,11 @@ if TYPE_CHECKING:
     from tandem.orchestrator.backends.ray.envs import RAY_NAMESPACE
     from tandem.orchestrator.backends.ray.rollouts import pool_name
     from tandem.orchestrator.config import ConfigValueError, RunConfig, RunSettings
-    from tandem.orchestrator.eval.passk import EvalResult, paired_difference
+    from tandem.orchestrator.eval.passk import (
+        EvalResult,
+        category_differences,
+        paired_difference,
+    )
     from tandem.orchestrator.inference.vllm.errors import VllmError
     from tandem.orchestrator.inference.vllm.serving import servable_head_dim
     from tandem.orchestrator.policy import PolicyError, build_model, load_policy, save_policy
@@ -70,6 +74,7 @@ _HOME = {
     "markdown_table": "artifacts.report",
     "midtrain_policy": "stages",
     "paired_difference": "eval.passk",
+    "category_differences": "eval.passk",
     "plot_rewards": "artifacts.report",
     "pool_name": "backends.ray.rollouts",
     "read_metrics": "artifacts.metrics",
@@ -93,6 +98,7 @@ __all__ = [
     "VllmError",
     "__version__",
     "build_model",
+    "category_differences",
     "check_rl_engine",
     "evaluate_policy",
     "fmt",

@@ -39,6 +39,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     infra_faults: int
     by_category: dict[str, CategoryScore] = {}
     solved: list[int] = []
+    categories: list[str] = []  # task i's category, when the scorer was given them
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -82,14 +83,43 @@ def paired_difference(a: Sequence[EvalResult], b: Sequence[EvalResult]) -> Paire
     if n_tasks < 2:
         raise ValueError(f"paired_difference needs at least 2 tasks, got {n_tasks}")
 
+    return _paired(_task_differences(a, b), range(n_tasks))
+
+
+def _task_differences(a: Sequence[EvalResult], b: Sequence[EvalResult]) -> list[float]:
     def rate(side: Sequence[EvalResult], i: int) -> float:
         return sum(r.solved[i] / r.samples_per_task for r in side) / len(side)
 
-    diffs = [rate(a, i) - rate(b, i) for i in range(n_tasks)]
-    mean = sum(diffs) / n_tasks
-    var = sum((d - mean) ** 2 for d in diffs) / (n_tasks - 1)
-    half = 1.96 * (var / n_tasks) ** 0.5
-    return PairedDifference(tasks=n_tasks, mean=mean, low=mean - half, high=mean + half)
+    return [rate(a, i) - rate(b, i) for i in range(a[0].tasks)]
+
+
+def _paired(diffs: Sequence[float], tasks: Sequence[int]) -> PairedDifference:
+    """Mean and normal 95% interval of ``diffs`` over the task indices ``tasks``."""
+    n = len(tasks)
+    mean = sum(diffs[i] for i in tasks) / n
+    var = sum((diffs[i] - mean) ** 2 for i in tasks) / (n - 1) if n > 1 else 0.0
+    half = 1.96 * (var / n) ** 0.5
+    return PairedDifference(tasks=n, mean=mean, low=mean - half, high=mean + half)
+
+
+def category_differences(
+    a: Sequence[EvalResult], b: Sequence[EvalResult]
+) -> dict[str, PairedDifference]:
+    """`paired_difference` within each task category (sorted by name): where a lift came
+    from, and which categories a policy lost. Needs results scored with each task's category
+    (``EvalResult.categories``); a category of one task gets a zero-width interval."""
+    paired_difference(a, b)  # the same checks: same tasks, per-task counts
+    categories = a[0].categories
+    if len(categories) != a[0].tasks or any(r.categories != categories for r in [*a, *b]):
+        raise ValueError(
+            "category_differences needs results scored with the same per-task categories "
+            "(EvalResult.categories)"
+        )
+    diffs = _task_differences(a, b)
+    members: dict[str, list[int]] = {}
+    for i, category in enumerate(categories):
+        members.setdefault(category, []).append(i)
+    return {c: _paired(diffs, members[c]) for c in sorted(members)}
 
 
 def by_category(
@@ -132,4 +162,5 @@ def summarize(
         infra_faults=sum(s.infra_fault for s in flat),
         by_category={} if categories is None else by_category(per_task, categories),
         solved=[sum(s.resolved for s in t) for t in per_task],
+        categories=list(categories or []),
     )
