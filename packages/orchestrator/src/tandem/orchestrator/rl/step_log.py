@@ -22,7 +22,8 @@ def log_step(step: int, stats: dict[str, Any]) -> None:
         pass_rate=r("pass_rate"),
         loss=r("loss", 4),
         entropy=r("entropy"),
-        kl=r("kl", 4),  # the KL penalty's, to the start policy (forward: whole vocabulary)
+        # the KL penalty's, to the start policy (the metric reads 0 when there is no penalty)
+        kl=r("kl", 4) or None,
         kl_to_start=r("kl_to_start_k3", 4),
         category_reward={
             c: row["reward"] for c, row in (stats.get("category_reward") or {}).items()
