@@ -1,7 +1,7 @@
-"""The README's cluster walk-through, run as written on this machine.
+"""The cluster walk-through (docs/cluster.md, linked from the README), run as written here.
 
-The commands are read from the README's "Run on a cluster" section (its first code block),
-so the README cannot drift from what is tested. They run in a fresh environment: no
+The commands are read from its "Run on a cluster" section (its first code block),
+so the page cannot drift from what is tested. They run in a fresh environment: no
 ``RAY_*`` or ``AWS_*`` variable, a home directory of the test's own (so the token
 ``ray get-auth-token --generate`` makes is the only one, and the head node turns Ray's token
 authentication on as it does by default), and a Ray temp directory of the test's own, so the
@@ -82,7 +82,7 @@ def _option(command: str, name: str) -> str:
 
 
 def test_the_walkthrough_is_one_machine_with_nothing_to_export() -> None:
-    commands = walkthrough((ROOT / "README.md").read_text())
+    commands = walkthrough((ROOT / "docs" / "cluster.md").read_text())
     assert [c.split()[2:4] for c in commands] == [
         ["tandem", "midtrain"],
         ["ray", "get-auth-token"],
@@ -200,7 +200,7 @@ def _uv_cache() -> str:
 def walk(tmp_path: Path) -> Iterator[Walkthrough]:
     # Ray's socket paths must stay under 108 bytes: a short directory, not pytest's
     short = Path(tempfile.mkdtemp(prefix="tandem-ray-"))
-    w = Walkthrough(tmp_path, short, walkthrough((ROOT / "README.md").read_text()))
+    w = Walkthrough(tmp_path, short, walkthrough((ROOT / "docs" / "cluster.md").read_text()))
     try:
         yield w
     finally:
