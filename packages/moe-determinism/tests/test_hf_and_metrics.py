@@ -56,7 +56,7 @@ def test_save_hf_loads_in_transformers_and_matches(tmp_path: Path) -> None:
 
 
 def test_load_hf_rejects_other_models(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(MoEDeterminismError, match="qwen3_moe"):
         load_hf(tmp_path)
     with pytest.raises(MoEDeterminismError, match=r"config\.json"):

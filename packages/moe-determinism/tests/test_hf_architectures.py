@@ -228,11 +228,18 @@ def test_model_built_here_with_dense_layers_saves_for_transformers(tmp_path: Pat
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"model_type": "llama"}, "model_type 'llama'"),
+        ({"model_type": "gpt2"}, "model_type 'gpt2'"),
         ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
-        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096"),
+        ({"model_type": "mixtral", "sliding_window": 4096}, "sliding_window 4096"),
+        ({"model_type": "qwen2", "attention_bias": True}, "attention_bias"),
+        ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "scoring_func"),
+        ({"model_type": "deepseek_v3", "moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"model_type": "deepseek_v3", "rope_scaling": {"type": "yarn"}}, "'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_only_layers": [7]}, "mlp_only_layers"),
     ],
@@ -253,7 +260,7 @@ def test_unsupported_options_get_one_line_listing_support(
     msg = str(err.value)
     assert named in msg and "\n" not in msg
     if "mlp_only_layers" not in change:
-        assert "supported: model_type qwen3_moe or qwen3" in msg
+        assert "supported: model_type qwen3_moe, qwen3, llama, mistral, qwen2, mixtral" in msg
 
 
 def test_missing_shard_and_missing_tensor_are_named(checkpoint, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """Deterministic MoE routing: fp32 scores, top-k with ties to the lower expert id, sorted ids,
-and a fixed-order fp32 combine of expert outputs.
+and a fixed-order fp32 combine of expert outputs. Two routers: softmax top-k (Qwen3-MoE,
+Mixtral) and DeepSeek-V3's grouped sigmoid (`grouped_topk`).
 
 Why each piece: a router computed in bf16 flips near-ties between engine and trainer; torch's
 `topk` does not promise which of two equal scores wins; and the same experts summed in a
@@ -47,25 +48,67 @@ def deterministic_topk(probs: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order, dim=-1).values
 
 
-def gate_weights(probs: torch.Tensor, ids: torch.Tensor, normalize: bool) -> torch.Tensor:
+def grouped_topk(scores: torch.Tensor, k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's selection: experts in ``n_group`` equal groups, a group scored by the sum
+    of its two best scores, the best ``topk_group`` groups kept, then the top ``k`` experts
+    among theirs. Ties go to the lower group and expert id; ids ascending."""
+    tokens, experts = scores.shape
+    per_group = scores.view(tokens, n_group, experts // n_group)
+    best2 = torch.sort(per_group, dim=-1, descending=True, stable=True).values[..., :2]
+    groups = deterministic_topk(best2[..., 0] + best2[..., 1], topk_group)
+    keep = torch.zeros(tokens, n_group, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, groups, True)
+    keep = keep.repeat_interleave(experts // n_group, dim=1)
+    return deterministic_topk(scores.masked_fill(~keep, float("-inf")), k)
+
+
+def gate_weights(
+    probs: torch.Tensor, ids: torch.Tensor, normalize: bool, eps: float = 0.0
+) -> torch.Tensor:
     """Gate weights gathered from the *full* router scores at `ids`.
 
     Gathering from the full scores (not from a top-k-masked copy) keeps the gradient path to
     the router alive, which is what makes replayed routes trainable.
     """
     w = probs.gather(-1, ids)
-    if normalize:
-        w = w / w.sum(-1, keepdim=True)  # k terms, summed in a fixed left-to-right order
+    if normalize:  # k terms, summed in a fixed left-to-right order
+        w = w / (w.sum(-1, keepdim=True) + eps) if eps else w / w.sum(-1, keepdim=True)
     return w
 
 
 def route(
-    logits: torch.Tensor, top_k: int, normalize: bool, replay_ids: torch.Tensor | None = None
+    logits: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    replay_ids: torch.Tensor | None = None,
+    *,
+    kind: str = "softmax",
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
 ) -> Routing:
-    """Route tokens from router logits [tokens, experts], or replay given ids [tokens, top_k]."""
-    probs = router_probs(logits)
+    """Route tokens from router logits [tokens, experts], or replay given ids [tokens, top_k].
+
+    ``kind="softmax"``: top-k of the softmax scores. ``kind="grouped_sigmoid"`` (DeepSeek-V3):
+    scores are sigmoid(logits); ``bias`` (the per-expert correction) is added for choosing
+    only (`grouped_topk`); the weights are the chosen experts' unbiased scores, normalised
+    (with transformers' 1e-20) when ``normalize``. Either way the weights are then times
+    ``scale``, and a replay recomputes them from the current scores at the replayed ids."""
+    if kind == "softmax":
+        probs, eps = router_probs(logits), 0.0
+    elif kind == "grouped_sigmoid":
+        probs, eps = torch.sigmoid(logits.float()), 1e-20
+    else:
+        raise MoEDeterminismError(f"router kind {kind!r}: supported are softmax, grouped_sigmoid")
     if replay_ids is None:
-        ids = deterministic_topk(probs.detach(), top_k)
+        chosen = probs.detach()
+        if kind == "grouped_sigmoid":
+            if bias is not None:
+                chosen = chosen + bias.float()
+            ids = grouped_topk(chosen, top_k, n_group, topk_group)
+        else:
+            ids = deterministic_topk(chosen, top_k)
     else:
         if replay_ids.shape != (probs.shape[0], top_k):
             raise MoEDeterminismError(
@@ -79,7 +122,10 @@ def route(
                 "for a model with a different number of experts"
             )
         ids = torch.sort(ids, dim=-1).values
-    return Routing(ids=ids, weights=gate_weights(probs, ids, normalize), probs=probs)
+    weights = gate_weights(probs, ids, normalize, eps)
+    if scale != 1.0:
+        weights = weights * scale
+    return Routing(ids=ids, weights=weights, probs=probs)
 
 
 def combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

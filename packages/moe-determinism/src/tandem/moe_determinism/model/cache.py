@@ -30,7 +30,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (max_slots, config.num_key_value_heads, max_len, config.head_dim)
+        shape = (max_slots, config.kv_heads, max_len, config.attn_head_dim)
         self.keys = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
         ]

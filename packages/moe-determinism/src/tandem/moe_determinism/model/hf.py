@@ -1,8 +1,9 @@
 """Save/load in the Hugging Face layout (config.json + safetensors, sharded or not).
 
-The tensor names are those of Qwen3-MoE and Qwen3 checkpoints on the Hub (one tensor per
-expert projection, dense layers as ``mlp.{gate,up,down}_proj``), which transformers and
-vLLM load directly. A shared expert, which Qwen3-MoE on the Hub does not have, is written
+The tensor names are those of each family's checkpoints on the Hub (`families`: one tensor
+per expert projection, dense layers as ``mlp.{gate,up,down}_proj``, Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2``, DeepSeek-V3's MLA projections and
+``mlp.shared_experts``), which transformers and vLLM load directly. A shared expert, which Qwen3-MoE on the Hub does not have, is written
 as ``mlp.shared_expert.{gate,up,down}_proj`` and flagged in the config with
 ``shared_expert_intermediate_size``, with the sigmoid gate vLLM's Qwen3-MoE multiplies it by
 (``mlp.shared_expert_gate``, as in Qwen2-MoE) set so that the gated expert is tandem's
@@ -42,8 +43,10 @@ def _swiglu_names(prefix: str, mlp: SwiGLU) -> dict[str, torch.Tensor]:
 
 def hf_tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
     """Hugging Face name -> the model's tensor holding it (a view of a stacked expert
-    parameter for per-expert names). Shared by save (read) and load (write in place)."""
+    parameter for per-expert names), in the names of the model's family (`families`).
+    Shared by save (read) and load (write in place)."""
     cfg = model.config
+    fam = cfg.family
     out: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": model.embed_tokens.weight,
         "model.norm.weight": model.norm.weight,
@@ -54,19 +57,24 @@ def hf_tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-            out[p + f"self_attn.{name}.weight"] = getattr(layer.self_attn, name).weight
+        out.update(layer.self_attn.hf_tensors(p + "self_attn."))
         mlp = layer.mlp
         if isinstance(mlp, SwiGLU):
             out.update(_swiglu_names(p + "mlp.", mlp))
             continue
         assert isinstance(mlp, MoEBlock)
-        out[p + "mlp.gate.weight"] = mlp.gate.weight
+        m = f"{p}{fam.moe_module}."
+        out[m + "gate.weight"] = mlp.gate.weight
+        bias = getattr(mlp.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            out[m + "gate.e_score_correction_bias"] = bias
         for e in range(cfg.num_experts):
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                out[p + f"mlp.experts.{e}.{name}.weight"] = getattr(mlp, name)[e]
+            for ours, theirs in zip(
+                ("gate_proj", "up_proj", "down_proj"), fam.expert_names, strict=True
+            ):
+                out[f"{m}experts.{e}.{theirs}.weight"] = getattr(mlp, ours)[e]
         if mlp.shared_expert is not None:
-            out.update(_swiglu_names(p + "mlp.shared_expert.", mlp.shared_expert))
+            out.update(_swiglu_names(f"{m}{fam.shared_expert_module}.", mlp.shared_expert))
     return out
 
 
@@ -78,6 +86,8 @@ SHARED_DOWN_SCALE = 2.0
 
 def _shared_expert_layers(model: MoETransformer) -> list[str]:
     """The name prefix of every layer with a shared expert."""
+    if not model.config.family.shared_expert_gated:
+        return []
     return [
         f"model.layers.{i}."
         for i, layer in enumerate(model.layers)
@@ -232,7 +242,7 @@ def read_config(directory: str | Path) -> MoEConfig:
 def load_hf(
     directory: str | Path, dtype: torch.dtype | None = None, *, config: MoEConfig | None = None
 ) -> MoETransformer:
-    """Build a `MoETransformer` from a Qwen3-MoE or Qwen3 directory (config.json +
+    """Build a `MoETransformer` from a model directory of a supported family (config.json +
     safetensors, sharded with an index or not), streaming tensor by tensor.
 
     ``config``: build with this config instead (a run's, with its own ``path`` and

@@ -1,4 +1,4 @@
-"""`MoETransformer`: a Qwen3-MoE-like reference model with routing record/replay and a KV cache.
+"""`MoETransformer`: the reference model (Qwen3-MoE, DeepSeek-V3 and the other families) with routing record/replay and a KV cache.
 
 One `forward` serves the inference engine and the trainer:
 
@@ -22,15 +22,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.model.basics import RMSNorm, TokenLayout, invariant_cpu_scope
 from tandem.moe_determinism.model.cache import KVCache
 from tandem.moe_determinism.model.config import MoEConfig
-from tandem.moe_determinism.model.layers import (
-    DecoderLayer,
-    RMSNorm,
-    TokenLayout,
-    invariant_cpu_scope,
-    rope_cos_sin,
-)
+from tandem.moe_determinism.model.layers import DecoderLayer
+from tandem.moe_determinism.model.rope import Rope
 from tandem.moe_determinism.replay import RouterReplay, RoutingTrace
 
 
@@ -210,7 +206,9 @@ class MoETransformer(nn.Module):
             )
         use_ckpt = self.activation_checkpointing and torch.is_grad_enabled() and cache is None
         h = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(layout.positions, cfg.head_dim, cfg.rope_theta)
+        rope = Rope.at(
+            layout.positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave
+        )
         all_ids = []
         for i, layer in enumerate(self.layers):
             # Take the layer's routes outside the checkpointed region: the recompute in backward
@@ -219,9 +217,9 @@ class MoETransformer(nn.Module):
             j = moe_index.get(i)
             replay_ids = routing.take(j) if routing is not None and j is not None else None
             if use_ckpt:
-                h, ids = checkpoint(layer, h, layout, cos, sin, replay_ids, use_reentrant=False)
+                h, ids = checkpoint(layer, h, layout, rope, replay_ids, use_reentrant=False)
             else:
-                h, ids = layer(h, layout, cos, sin, replay_ids)
+                h, ids = layer(h, layout, rope, replay_ids)
             if ids is not None:
                 all_ids.append(ids)
         if routing is not None:

@@ -73,7 +73,10 @@ def checkpoint_dtype(model_dir: Path) -> str:
 
 def has_experts(model_dir: Path) -> bool:
     """Whether the checkpoint is an MoE (vLLM refuses to capture routes of a dense model)."""
-    return int(str(_hf_config(model_dir).get("num_experts") or 0)) > 0
+    config = _hf_config(model_dir)
+    # each family names its routed experts differently (Qwen3-MoE, Mixtral, DeepSeek-V3)
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any(int(str(config.get(k) or 0)) > 0 for k in keys)
 
 
 def server_env(engine: EngineConfig, *, cuda: bool) -> dict[str, str]:
