@@ -118,10 +118,11 @@ def tiny_config(
     check_rows: int = 0,
     processes: int = 1,
     tasks: TaskConfig | None = None,
+    model: MoEConfig = TINY,
 ) -> RunConfig:
     return RunConfig(
         run=RunSettings(name=Path(run_dir).name, output_dir=str(Path(run_dir).parent)),
-        model=TINY,
+        model=model,
         tasks=tasks or TaskConfig(),
         env=env,
         engine=ENGINE,
@@ -135,4 +136,5 @@ def tiny_run(
 ) -> TinyRun:
     """A `TinyRun` of `tiny_config` (``kw``: its keywords) on a fresh tiny policy."""
     config = tiny_config(tmp_path, rl, tasks=tasks.config if tasks is not None else None, **kw)
-    return TinyRun(build_model(TINY, ByteTokenizer()), config, tmp_path, hooks, tasks)
+    policy = build_model(config.model, ByteTokenizer())
+    return TinyRun(policy, config, tmp_path, hooks, tasks)
