@@ -15,7 +15,7 @@ from importlib.resources import files
 
 import structlog
 
-from tandem.app import __version__, commands, export, workers
+from tandem.app import __version__, commands, export, import_gguf, workers
 from tandem.app.config import dump_config, load_config
 from tandem.app.errors import ConfigError
 from tandem.app.logging import configure_logging
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
     workers.add_parser(sub)
     export.add_parser(sub)
+    import_gguf.add_parser(sub)
     return parser
 
 
@@ -117,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return workers.run_workers(args)
     if args.command == "export":
         return export.run_export(args)
+    if args.command == "import-gguf":
+        return import_gguf.run_import(args)
     cmd = COMMANDS[args.command]
     if getattr(args, "address", None):
         args.overrides += ["rl.backend=ray", f"rl.ray.address={args.address}"]
