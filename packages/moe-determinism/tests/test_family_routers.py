@@ -123,7 +123,9 @@ def test_llama3_rope_frequencies_match_transformers(original: int) -> None:
     [
         (dict(model_type="llama", kv_lora_rank=8), "kv_lora_rank"),
         (dict(model_type="qwen2", attention_bias=True), "attention_bias"),
+        (dict(model_type="qwen2", hidden_size=64, head_dim=32), "hidden_size / num_attention"),
         (dict(model_type="mixtral", norm_topk_prob=False), "renormalises"),
+        (dict(model_type="mixtral", shared_expert_intermediate_size=8), "no shared expert"),
         (dict(model_type="qwen3_moe", n_group=2), "grouped"),
         (dict(model_type="deepseek_v3", kv_lora_rank=0), "kv_lora_rank"),
         (dict(model_type="deepseek_v3", n_group=3), r"n_group \(3\) must divide"),

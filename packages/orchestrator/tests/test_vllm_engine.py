@@ -19,7 +19,7 @@ import pytest
 import torch
 from vllm_helpers import ENGINE, MODEL, PROMPT, STOP, engine_on, reference_logprobs, turns
 
-from tandem.moe_determinism import MoETransformer
+from tandem.moe_determinism import MoEConfig, MoETransformer
 from tandem.moe_determinism.model.hf import save_hf
 from tandem.orchestrator.config import ConfigValueError, RunConfig, VllmConfig
 from tandem.orchestrator.inference.vllm.engine import VllmEngine
@@ -151,6 +151,10 @@ def test_models_vllm_cannot_serve_are_refused() -> None:
     with pytest.raises(ConfigValueError, match="head_dim 24"):
         check_servable(msgspec.structs.replace(MODEL, head_dim=24), cuda=False)
     check_servable(msgspec.structs.replace(MODEL, head_dim=24), cuda=True)
+    deepseek = msgspec.convert({**msgspec.to_builtins(MODEL), **DEEPSEEK}, MoEConfig)
+    with pytest.raises(ConfigValueError, match="multi-head latent attention"):
+        check_servable(deepseek, cuda=False)
+    check_servable(deepseek, cuda=True)
 
 
 def test_config_checks_server_addresses() -> None:
@@ -172,6 +176,24 @@ def test_vllm_servers_given_by_url_are_refused_on_ray_before_any_work() -> None:
         check_rl_engine(msgspec.convert(ray, RunConfig))
 
 
+DEEPSEEK = {
+    "model_type": "deepseek_v3",
+    "num_key_value_heads": 4,
+    "num_experts": 8,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "intermediate_size": 96,
+    "shared_expert_intermediate_size": 48,
+    # vLLM's CPU MLA decode kernel takes only DeepSeek-V3's own widths: latent 512, rotary 64
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+    "head_dim": 64,
+    "rope_interleave": True,
+}
 VARIANTS = {
     "tied-embeddings": {"tie_word_embeddings": True},
     "no-topk-norm": {"norm_topk_prob": False},
@@ -179,6 +201,24 @@ VARIANTS = {
     "every-other-moe": {"decoder_sparse_step": 2, "intermediate_size": 96},
     "dense-qwen3": {"model_type": "qwen3", "intermediate_size": 96},
     "no-shared-expert": {"shared_expert_intermediate_size": 0},
+    # the other families (`moe_determinism.model.families`)
+    "llama": {"model_type": "llama", "intermediate_size": 96, "num_experts": 0},
+    "llama-llama3-rope-bias": {
+        "model_type": "llama",
+        "intermediate_size": 96,
+        "num_experts": 0,
+        "attention_bias": True,
+        "rope_scaling": {"original_max_position_embeddings": 64},
+    },
+    "mistral": {"model_type": "mistral", "intermediate_size": 96, "num_experts": 0},
+    "qwen2": {
+        "model_type": "qwen2",
+        "intermediate_size": 96,
+        "num_experts": 0,
+        "num_attention_heads": 2,  # its head width is hidden_size / heads (32)
+        "num_key_value_heads": 1,
+    },
+    "mixtral": {"model_type": "mixtral", "shared_expert_intermediate_size": 0},
 }
 
 
@@ -189,7 +229,7 @@ def test_every_supported_layout_is_served_as_tandem_computes_it(
 ) -> None:
     """Each `MoEConfig` variant tandem writes, loaded by vLLM: log-probs within 1e-5 of
     tandem's forward (a server start each: about a minute on two cores)."""
-    cfg = msgspec.structs.replace(MODEL, **VARIANTS[variant])
+    cfg = msgspec.convert({**msgspec.to_builtins(MODEL), **VARIANTS[variant]}, MoEConfig)
     torch.manual_seed(5)
     model = MoETransformer(cfg).eval()
     with torch.no_grad():

@@ -125,6 +125,15 @@ class MoEConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise MoEDeterminismError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}]"
             )
+        if (
+            fam.head_dim_from_hidden
+            and self.head_dim * self.num_attention_heads != self.hidden_size
+        ):
+            raise MoEDeterminismError(
+                f"{self.model_type}: head_dim ({self.head_dim}) must be hidden_size / "
+                f"num_attention_heads ({self.hidden_size} / {self.num_attention_heads}), as "
+                "its loaders compute it"
+            )
         self._check_mla(fam)
         if self.rope_dim % 2:
             raise MoEDeterminismError(f"the RoPE width must be even, got {self.rope_dim}")
@@ -158,6 +167,8 @@ class MoEConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 )
             if fam.model_type == "mixtral" and not self.norm_topk_prob:
                 raise MoEDeterminismError("mixtral always renormalises its top-k gate weights")
+            if fam.model_type == "mixtral" and self.shared_expert_intermediate_size:
+                raise MoEDeterminismError("mixtral has no shared expert")
             return
         e, g = self.num_experts, self.n_group
         if g < 1 or e % g or e // g < 2 or not 1 <= self.topk_group <= g:

@@ -38,6 +38,9 @@ class Family:
     shared_expert_gated: bool = True
     """Whether serving stacks multiply that expert by a sigmoid gate (Qwen2-MoE's layout,
     which vLLM's Qwen3-MoE follows); tandem then writes a zero gate (see `hf`)."""
+    head_dim_from_hidden: bool = False
+    """Loaders compute the head width as hidden_size / num_attention_heads (vLLM's Qwen2),
+    so another ``head_dim`` would be served as a different model."""
     experts_key: str = "num_experts"
     """config.json's name for the number of routed experts."""
 
@@ -50,7 +53,12 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "LlamaForCausalLM", moe=False),
         Family("mistral", "MistralForCausalLM", moe=False),
         Family(
-            "qwen2", "Qwen2ForCausalLM", moe=False, qkv_bias=True, has_attention_bias_option=False
+            "qwen2",
+            "Qwen2ForCausalLM",
+            moe=False,
+            qkv_bias=True,
+            has_attention_bias_option=False,
+            head_dim_from_hidden=True,
         ),
         Family(
             "mixtral",

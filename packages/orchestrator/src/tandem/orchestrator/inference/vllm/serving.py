@@ -1,8 +1,12 @@
 """The vLLM servers a run uses: those given by URL, or one tandem starts for the policy.
 
 `check_servable` refuses, before any start, what vLLM cannot serve: on the CPU, head sizes
-its attention kernels lack. (A shared expert is served: `save_hf` writes the sigmoid gate
-vLLM's Qwen3-MoE multiplies it by so that the gated expert is tandem's, bit for bit.)
+its attention kernels lack, and multi-head latent attention (DeepSeek-V3), whose CPU backend
+is a reference one for functional checks: its decode kernel takes only DeepSeek-V3's own
+widths (latent 512, rotary 64), and on a model of those widths its log-probs were 1.5e-2 to
+2.7e-2 from tandem's and transformers' (which agree within 3e-6), with or without experts.
+(A shared expert is served: `save_hf` writes the sigmoid gate vLLM's Qwen3-MoE multiplies
+it by so that the gated expert is tandem's, bit for bit.)
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ def servable_head_dim(head_dim: int, *, cuda: bool) -> int:
 
 def check_servable(model: MoEConfig, *, cuda: bool) -> None:
     """Raise `ConfigValueError` when vLLM would serve ``model`` wrongly or not at all."""
+    if not cuda and model.is_mla:
+        raise ConfigValueError(
+            f"engine.kind = 'vllm': vLLM's CPU build does not serve {model.model_type}'s "
+            "multi-head latent attention as tandem computes it (a reference backend for "
+            "functional checks, log-probs 1e-2 apart); use the embedded engine, or vLLM on CUDA."
+        )
     if not cuda and model.head_dim not in CPU_HEAD_SIZES:
         raise ConfigValueError(
             f"engine.kind = 'vllm': head_dim {model.head_dim} is not one vLLM's CPU attention "
