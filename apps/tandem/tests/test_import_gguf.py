@@ -12,10 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from tandem.app import import_gguf
@@ -89,6 +91,16 @@ def write_tiny_gguf(path: Path, architecture: str = "llama") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """The command configures structlog for its process (logs to the stderr it sees, a
+    captured stream here): the defaults before and after each test, so that no test logs
+    into another's closed stream."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +240,7 @@ def test_smollm2_names_the_file_its_wheel_ships_and_its_header_is_read() -> None
 @smollm2
 @pytest.mark.slow
 def test_smollm2_imports_and_answers(tmp_path: Path) -> None:
-    """About 45 s on 2 cores: the import (with its own logits check), then transformers
+    """45-55 s on 2 cores: the import (with its own logits check), then transformers
     reading the GGUF again for the comparison, and a greedy answer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
