@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-from tandem.grpo import GRPOError, group_advantages, nonconstant_groups
+from tandem.grpo import GRPOError, failed_groups, group_advantages, nonconstant_groups
 
 
 def naive_advantages(
@@ -101,3 +101,25 @@ def test_bad_inputs_raise_clear_errors() -> None:
         group_advantages(torch.tensor([1.0, float("nan")]), group_size=2)
     with pytest.raises(GRPOError, match="shape"):
         group_advantages(torch.ones(4), group_ids=torch.zeros(3, dtype=torch.long))
+
+
+def test_failed_groups_matches_naive() -> None:
+    gen = torch.Generator().manual_seed(3)
+    groups = torch.randint(0, 8, (40,), generator=gen)
+    rewards = torch.randint(0, 2, (40,), generator=gen).float() * (
+        torch.rand(40, generator=gen) > 0.5
+    )
+    got = failed_groups(rewards, group_ids=groups)
+    for i in range(40):
+        members = [rewards[j].item() for j in range(40) if groups[j] == groups[i]]
+        assert got[i].item() == (len(members) >= 2 and max(members) <= 0)
+    assert got.any() and not got.all()
+
+
+def test_failed_group_advantage_is_a_nonpositive_number() -> None:
+    from tandem.grpo import GRPOConfig
+
+    with pytest.raises(GRPOError, match="failed_group_advantage"):
+        GRPOConfig(failed_group_advantage=0.1)
+    with pytest.raises(GRPOError, match="failed_group_advantage"):
+        GRPOConfig(failed_group_advantage=float("-inf"))

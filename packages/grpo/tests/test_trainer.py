@@ -218,3 +218,32 @@ def test_bad_batches_and_hooks_raise_clear_errors(tiny: ModuleType) -> None:
     trainer.forward_fn = lambda m, b: next_token_logprobs(m(b.input_ids), b.input_ids).detach()
     with pytest.raises(GRPOError, match="without gradient"):
         trainer.step(batch)
+
+
+def test_failed_groups_train_with_their_advantage_and_the_rest_as_before(tiny: ModuleType) -> None:
+    """A group that failed everywhere (rewards all 0) trains with ``failed_group_advantage``
+    on every sample; an all-1 group is still skipped. Checked against the direct loss on the
+    kept rows with hand-made advantages."""
+    cfg = GRPOConfig(
+        loss_agg="token-mean", max_grad_norm=None, is_mode="none", failed_group_advantage=-0.3
+    )
+    model, batch = make(tiny)
+    batch.rewards[12:16] = 0.0  # an all-failed group
+    ref_model = make(tiny)[0]
+    params, metrics = run_step(model, batch, cfg, lr=0.1)
+
+    keep = torch.ones(24, dtype=torch.bool)
+    keep[4:8] = False  # the all-1 group
+    adv = group_advantages(batch.rewards, group_size=4)
+    adv[12:16] = -0.3
+    kept = batch.select(keep)
+    logp = next_token_logprobs(ref_model(kept.input_ids), kept.input_ids)
+    loss, _ = policy_loss(logp, logp.detach(), adv[keep], kept.loss_mask, config=cfg)
+    loss.backward()
+    with torch.no_grad():
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(params[name], p - 0.1 * p.grad, rtol=1e-10, atol=1e-12)
+    assert metrics["groups_kept"] == 5
+    off, m_off = run_step(make(tiny)[0], batch, GRPOConfig(loss_agg="token-mean"), lr=0.1)
+    assert m_off["groups_kept"] == 4  # without the option the failed group is skipped too
+    assert not torch.equal(off["inp.weight"], params["inp.weight"])

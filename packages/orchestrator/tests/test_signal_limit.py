@@ -35,3 +35,27 @@ def test_no_limit_by_default() -> None:
     for _ in range(100):
         f.informative(group(0.0, 0.0))
     assert f.filtered == 100
+
+
+def test_failed_groups_carry_a_signal_when_the_trainer_trains_them() -> None:
+    """With ``trainer.loss.failed_group_advantage`` set, an all-failed group trains the
+    policy: it passes the filter and counts as signal for the curriculum; all-rewarded and
+    one-sample groups still do not."""
+    from tandem.orchestrator.config import CurriculumConfig, TaskConfig
+    from tandem.orchestrator.rollout.curriculum import SaturationFilter
+    from tandem.orchestrator.rollout.tasks import TaskSource
+
+    f = SignalFilter(train_failed=True)
+    assert f.informative(group(0.0, 0.0, 0.0))
+    assert f.informative(group(-1.0, 0.0))
+    assert not f.informative(group(1.0, 1.0)) and not f.informative(group(0.0))
+    assert f.filtered == 2 and not SignalFilter().informative(group(0.0, 0.0))
+
+    task = TaskSource(TaskConfig(), 0)[0]
+    cfg = CurriculumConfig(enabled=True, window=2)
+    on, off = SaturationFilter(cfg, 0, train_failed=True), SaturationFilter(cfg, 0)
+    for _ in range(2):
+        on.record(task, [0.0, 0.0])
+        off.record(task, [0.0, 0.0])
+    category = on.category(task)
+    assert not on.saturated(category) and off.saturated(category)

@@ -14,7 +14,7 @@ from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.grpo.advantages import group_advantages, nonconstant_groups
+    from tandem.grpo.advantages import failed_groups, group_advantages, nonconstant_groups
     from tandem.grpo.aggregation import LossNormalizer, aggregate
     from tandem.grpo.batch import (
         ForwardFn,
@@ -51,6 +51,7 @@ _HOME = {
     "kl_penalized_rewards": "kl",
     "next_token_logprobs": "batch",
     "nonconstant_groups": "advantages",
+    "failed_groups": "advantages",
     "policy_loss": "loss",
     "policy_ratio": "loss",
     "shard_by_group": "batch",
@@ -67,6 +68,7 @@ __all__ = [
     "__version__",
     "aggregate",
     "causal_lm_forward",
+    "failed_groups",
     "forward_kl",
     "group_advantages",
     "importance_weights",

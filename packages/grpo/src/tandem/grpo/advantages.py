@@ -6,8 +6,9 @@ original GRPO up-weights groups whose rewards barely vary. RLOO (Ahmadian et al.
 the mean of the *other* samples, an unbiased baseline.
 
 Documented edge cases: a group whose rewards are all equal gets advantage 0 in every mode
-(the std division sees 0/(0+eps)); a group of one sample gets advantage 0 (no baseline
-exists); non-finite rewards are rejected.
+(the std division sees 0/(0+eps)), except that `batch_advantages` gives a group whose rewards
+are all 0 or below ``failed_group_advantage`` when that is set; a group of one sample gets
+advantage 0 (no baseline exists); non-finite rewards are rejected.
 """
 
 from __future__ import annotations
@@ -95,12 +96,10 @@ def group_advantages(
     return torch.where(singleton, torch.zeros_like(centred), centred)
 
 
-def nonconstant_groups(
-    rewards: torch.Tensor,
-    group_size: int | None = None,
-    group_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Bool [N]: True for samples whose group's rewards are not all equal (DAPO dynamic sampling)."""
+def _group_range(
+    rewards: torch.Tensor, group_size: int | None, group_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lowest, highest reward of each sample's group, group size of each sample), float64."""
     if rewards.dim() != 1:
         raise GRPOError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
     index, num_groups = group_index(rewards.numel(), group_size, group_ids, rewards.device)
@@ -108,7 +107,39 @@ def nonconstant_groups(
     big = torch.full((num_groups,), float("inf"), dtype=r.dtype, device=r.device)
     low = big.scatter_reduce(0, index, r, reduce="amin")
     high = (-big).scatter_reduce(0, index, r, reduce="amax")
-    return (high > low)[index]
+    return low[index], high[index], _group_sums(torch.ones_like(r), index, num_groups)[index]
+
+
+def nonconstant_groups(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool [N]: True for samples whose group's rewards are not all equal (DAPO dynamic sampling)."""
+    low, high, _ = _group_range(rewards, group_size, group_ids)
+    return high > low
+
+
+def failed_groups(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool [N]: True for samples of a group of two or more in which every reward is <= 0."""
+    _, high, size = _group_range(rewards, group_size, group_ids)
+    return (high <= 0) & (size >= 2)
+
+
+def trained_groups(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """Bool [N]: the samples a step trains on: all, or (with ``skip_equal_reward_groups``)
+    those of groups whose rewards differ, plus all-failed groups when they carry
+    ``failed_group_advantage``."""
+    if not cfg.skip_equal_reward_groups:
+        return torch.ones_like(rewards, dtype=torch.bool)
+    keep = nonconstant_groups(rewards, group_ids=group_ids)
+    if cfg.failed_group_advantage:
+        keep = keep | failed_groups(rewards, group_ids=group_ids)
+    return keep
 
 
 def batch_advantages(batch: RolloutBatch, cfg: GRPOConfig) -> torch.Tensor:
@@ -137,6 +168,9 @@ def batch_advantages(batch: RolloutBatch, cfg: GRPOConfig) -> torch.Tensor:
             leave_one_out=cfg.leave_one_out,
             eps=cfg.std_eps,
         )
+        if cfg.failed_group_advantage:
+            failed = failed_groups(as_float(batch.rewards), group_ids=batch.group_ids)
+            adv = torch.where(failed, torch.full_like(adv, cfg.failed_group_advantage), adv)
     if not torch.isfinite(adv).all():
         raise GRPOError("advantages contain inf/NaN; check rewards and batch.advantages")
     return adv

@@ -40,6 +40,12 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         skip_equal_reward_groups: DAPO dynamic sampling. A group whose raw rewards are all
             equal has zero advantage everywhere; skipping it saves its forward/backward and
             keeps it out of the loss normaliser. Kept groups still contribute KL/entropy terms.
+        failed_group_advantage: the advantage of every sample of a group in which every
+            reward is 0 or below (0: such a group has no signal, and is skipped). A negative
+            value trains on those groups (negative-sample reinforcement, Zhu et al., 2025):
+            the policy is pushed away from what it did on a task it fails at, so an answer a
+            task needs, which lost its probability to another task's answer, gets it back.
+            Such groups are kept even with skip_equal_reward_groups.
 
     Ratio and clipping
         ratio_level: ``token`` (PPO/GRPO/DAPO: one ratio per token) or ``sequence`` (GSPO:
@@ -95,6 +101,7 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     leave_one_out: bool = False
     std_eps: float = 1e-6
     skip_equal_reward_groups: bool = True
+    failed_group_advantage: float = 0.0
 
     ratio_level: RatioLevel = "token"
     clip_eps_low: float = 0.2
@@ -128,6 +135,8 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise bad(name, "must be a finite number >= 0")
+        if not (math.isfinite(self.failed_group_advantage) and self.failed_group_advantage <= 0):
+            raise bad("failed_group_advantage", "must be a finite number <= 0 (0: off)")
         if self.clip_eps_low >= 1:
             raise bad("clip_eps_low", "must be < 1 so the lower clip bound 1 - eps stays > 0")
         if self.dual_clip is not None and not self.dual_clip > 1:

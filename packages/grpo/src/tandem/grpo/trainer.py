@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 import torch
 
-from tandem.grpo.advantages import batch_advantages, nonconstant_groups
+from tandem.grpo.advantages import batch_advantages, trained_groups
 from tandem.grpo.aggregation import LossNormalizer
 from tandem.grpo.batch import (
     ForwardFn,
@@ -186,10 +186,7 @@ class GRPOStep:
             raise GRPOError("empty batch: every process needs at least one trajectory")
         batch = batch.to(self.device)
         adv = batch_advantages(batch, self.config)
-        if cfg.skip_equal_reward_groups:
-            keep = nonconstant_groups(batch.rewards, group_ids=batch.group_ids)
-        else:
-            keep = torch.ones_like(batch.rewards, dtype=torch.bool)
+        keep = trained_groups(batch.rewards, batch.group_ids, cfg)
         mask = batch.loss_mask
         kept_mask = mask & keep[:, None]
 

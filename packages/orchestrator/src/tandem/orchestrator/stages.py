@@ -197,13 +197,15 @@ def reinforce(
     make_backend = functools.partial(
         build_backend, policy=model, config=config, tasks=tasks, run_dir=Path(run_dir)
     )
+    train_failed = config.trainer.loss.failed_group_advantage != 0
     run = RLRun(
         make_backend,
-        CuratedCursor(tasks, config.rl.curriculum, config.run.seed),
+        CuratedCursor(tasks, config.rl.curriculum, config.run.seed, train_failed),
         rl=config.rl,
         run_dir=run_dir,
         hooks=hooks,
         progress=progress,
         max_wall_s=max_wall_s,
+        train_failed_groups=train_failed,
     )
     return run.run()

@@ -26,11 +26,13 @@ log = structlog.get_logger()
 class GroupSource:
     """Plays groups and keeps the run's counts of them."""
 
-    def __init__(self, rollouts: Rollouts, cursor: TaskCursor, hooks: RunHooks) -> None:
+    def __init__(
+        self, rollouts: Rollouts, cursor: TaskCursor, hooks: RunHooks, train_failed: bool = False
+    ) -> None:
         self.rollouts = rollouts
         self.cursor = cursor
         self.hooks = hooks
-        self.signal = SignalFilter()
+        self.signal = SignalFilter(train_failed)
         self.categories = CategoryRewards()
         self.trajectories = 0
         self.requeued = 0

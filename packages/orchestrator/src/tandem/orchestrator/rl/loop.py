@@ -69,8 +69,10 @@ class RLRun:
         hooks: RunHooks | None = None,
         progress: bool = False,
         max_wall_s: float | None = None,
+        train_failed_groups: bool = False,
     ) -> None:
         self.make_backend = make_backend
+        self.train_failed_groups = train_failed_groups
         self.cursor = cursor
         self.rl = rl
         self.run_dir = Path(run_dir)
@@ -205,7 +207,7 @@ class RLRun:
         self.publishing = Publishing(
             backend.sink, backend.trainer, rollouts, lambda: self.version, self.hooks
         )
-        source = GroupSource(rollouts, self.cursor, self.hooks)
+        source = GroupSource(rollouts, self.cursor, self.hooks, self.train_failed_groups)
         staleness = StalenessStats()
         schedule = make_schedule(
             ScheduleContext(

@@ -3,12 +3,14 @@
 A group whose samples all got the same reward has zero advantage everywhere: the trainer
 skips it and waits for others (DAPO's dynamic sampling), so every step learns from
 ``groups_per_step`` informative groups. A long run of such groups means the tasks are too
-hard (or too easy) for the policy; it is reported with what the rewards were.
+hard (or too easy) for the policy; it is reported with what the rewards were. With
+``trainer.loss.failed_group_advantage`` set, a group in which every sample failed (rewards 0
+or below) carries a signal too: the trainer pushes the policy away from what it did there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -20,10 +22,19 @@ NO_SIGNAL_REPORT_EVERY = 32
 """Equal-reward groups in a row between two `rl.no_signal` warnings."""
 
 
+def has_signal(rewards: Sequence[float], train_failed: bool = False) -> bool:
+    """Whether a group with these rewards trains the policy: its rewards differ, or (with
+    ``train_failed``) there are two or more and none is above 0."""
+    if len(set(rewards)) > 1:
+        return True
+    return train_failed and len(rewards) >= 2 and max(rewards) <= 0
+
+
 class SignalFilter:
     """Counts the groups without signal (``filtered``) and the current run of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, train_failed: bool = False) -> None:
+        self.train_failed = train_failed
         self.filtered = 0
         self._run = [0, 0]  # equal-reward groups in a row: [all rewarded, all unrewarded]
         self._limit = 0
@@ -36,13 +47,13 @@ class SignalFilter:
 
     def informative(self, group: Group) -> bool:
         """Whether the group's rewards differ; if not it is counted (and maybe reported)."""
-        rewards = {s.reward for s in group.samples}
+        rewards = [s.reward for s in group.samples]
         run = self._run
-        if len(rewards) > 1:
+        if has_signal(rewards, self.train_failed):
             run[:] = [0, 0]
             return True
         self.filtered += 1
-        run[0 if rewards.pop() > 0 else 1] += 1
+        run[0 if rewards[0] > 0 else 1] += 1
         if sum(run) % NO_SIGNAL_REPORT_EVERY == 0:
             log.warning(
                 "rl.no_signal",

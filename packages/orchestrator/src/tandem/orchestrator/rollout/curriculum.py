@@ -23,15 +23,17 @@ from typing import Any
 
 from tandem.agent_env import Task
 from tandem.orchestrator.config import CurriculumConfig
+from tandem.orchestrator.rl.signal import has_signal
 from tandem.orchestrator.rollout.tasks import TaskSource, task_category
 
 
 class SaturationFilter:
     """Per task category, whether each of its recent groups had a reward signal."""
 
-    def __init__(self, config: CurriculumConfig, seed: int) -> None:
+    def __init__(self, config: CurriculumConfig, seed: int, train_failed: bool = False) -> None:
         self.config = config
         self.seed = seed
+        self.train_failed = train_failed
         self.history: dict[str, list[bool]] = {}
         self.skipped = 0
 
@@ -40,11 +42,12 @@ class SaturationFilter:
         return task_category(task, self.config.keys)
 
     def record(self, task: Task, rewards: Sequence[float]) -> None:
-        """One finished group of ``task``: informative when its rewards differ."""
+        """One finished group of ``task``: informative when it trains the policy
+        (`has_signal`)."""
         if not self.config.enabled:
             return
         seen = self.history.setdefault(self.category(task), [])
-        seen.append(len(set(rewards)) > 1)
+        seen.append(has_signal(rewards, self.train_failed))
         del seen[: -self.config.window]
 
     def saturated(self, category: str) -> bool:
@@ -76,9 +79,11 @@ class CuratedCursor:
     """The run's task cursor (`TaskCursor`): task ``cursor``, ``cursor + 1``, ... of a task
     source, passing over the ones the curriculum leaves out (counted in ``skipped``)."""
 
-    def __init__(self, tasks: TaskSource, config: CurriculumConfig, seed: int) -> None:
+    def __init__(
+        self, tasks: TaskSource, config: CurriculumConfig, seed: int, train_failed: bool = False
+    ) -> None:
         self.tasks = tasks
-        self.filter = SaturationFilter(config, seed)
+        self.filter = SaturationFilter(config, seed, train_failed)
         self.cursor = 0
 
     @property
