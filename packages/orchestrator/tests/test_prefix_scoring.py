@@ -45,9 +45,10 @@ def _group_samples(chat, tiny_policy, make_engine, helpers):
     return [samples[:4], samples[4:]], len(prompt)
 
 
+@pytest.mark.parametrize("logits_chunk", [0, 7])
 @pytest.mark.parametrize("replay", ["R3", "none", "R2"])
 def test_shared_scoring_is_bitwise_whole_scoring_and_the_engine(
-    chat, tiny_policy, make_engine, helpers, replay: str
+    chat, tiny_policy, make_engine, helpers, replay: str, logits_chunk: int
 ) -> None:
     groups, prompt_len = _group_samples(chat, tiny_policy, make_engine, helpers)
     batch = collate(groups)
@@ -57,8 +58,12 @@ def test_shared_scoring_is_bitwise_whole_scoring_and_the_engine(
     fed = int((batch.attention_mask.sum(1) - 1).sum())
     assert len(layout.tokens) == fed - layout.shared_tokens
     with torch.no_grad(), batch_invariant():
-        shared = score_shared(tiny_policy, batch, replay).logprobs
+        scored = score_shared(tiny_policy, batch, replay, logits_chunk=logits_chunk)
+        shared = scored.logprobs
         whole, _, _ = score(tiny_policy, batch, replay)
+        if logits_chunk:  # logits 7 tokens at a time: the same bits, entropy too
+            unchunked = score_shared(tiny_policy, batch, replay)
+            assert torch.equal(scored.entropy, unchunked.entropy)
     mask = batch.loss_mask
     assert int(mask.sum()) > 20
     assert torch.equal(shared[mask].view(torch.int32), whole[mask].view(torch.int32))

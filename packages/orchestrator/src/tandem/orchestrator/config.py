@@ -119,7 +119,13 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``updates_per_step``: optimizer updates on each step's batch (PPO epochs). The first is
     taken from the rollout policy; the others reuse the batch with the first pass's
     log-probs as the clipped ratio's old policy. The policy version still advances by one
-    per step (one published version), so staleness keeps its meaning. ``loss``: the GRPO
+    per step (one published version), so staleness keeps its meaning. ``logits_chunk``:
+    the tokens whose logits are formed at once when scoring (each chunk's logits are
+    recomputed in backward, so memory does not grow with tokens x vocabulary; 0: a
+    micro-batch's at once); the log-probs are the same bits either way.
+    ``activation_checkpointing``: each decoder layer's activations are recomputed in backward
+    instead of kept (memory bounded by one layer's, for about one more forward of time).
+    ``loss``: the GRPO
     loss, advantages and importance correction (`tandem.grpo.GRPOConfig`); with
     ``loss.kl_coef`` > 0 the trainer keeps a frozen copy of the policy the run started from
     as the KL reference.
@@ -135,10 +141,13 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parallel: Literal["ddp", "fsdp"] = "fsdp"
     share_prefixes: bool = True
     updates_per_step: int = 1
+    logits_chunk: int = 1024
+    activation_checkpointing: bool = False
     loss: GRPOConfig = msgspec.field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", "must be > 0")
+        _require(self.logits_chunk >= 0, "logits_chunk", "must be >= 0 (0: no chunks)")
         _require(self.kl_check_rows >= 0, "kl_check_rows", "must be >= 0 (0: no KL check)")
         _require(self.processes >= 1, "processes", "must be >= 1")
         _require(self.updates_per_step >= 1, "updates_per_step", "must be >= 1")
@@ -279,7 +288,11 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``transcript_loss``: ``all`` tokens of a transcript or only the ``assistant`` turns.
     ``skip_tools``: read-only calls left out of the transcripts (see `condense`).
     ``edit_min_chars``: the oracle's edits are narrowed to the shortest unique text around the
-    change that is at least this long (see `minimal_edit`). ``init_seed``: the seed of the
+    change that is at least this long (see `minimal_edit`). ``logits_chunk`` and
+    ``activation_checkpointing``: as the trainer's (`TrainerConfig`), for the next-token
+    loss (a real vocabulary's logits of a whole batch are the largest tensor of a step:
+    8 windows of 512 tokens over 49,152 ids are 0.8 GB, and their gradient as much again).
+    ``init_seed``: the seed of the
     fresh model's initial weights.
     """
 
@@ -298,9 +311,12 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     code_bytes: int = 4_000_000
     log_every: int = 10
     init_seed: int = 0
+    logits_chunk: int = 0
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", "must be >= 1")
+        _require(self.logits_chunk >= 0, "logits_chunk", "must be >= 0 (0: no chunks)")
         _require(self.batch_size >= 1, "batch_size", "must be >= 1")
         _require(0 <= self.transcript_fraction <= 1, "transcript_fraction", "must be in [0, 1]")
         _require(self.lr > 0, "lr", "must be > 0")

@@ -15,6 +15,7 @@ matmul work, and row r of every per-token output (logits, route ids) is the r-th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,18 +30,25 @@ from tandem.moe_determinism.model.layers import DecoderLayer
 from tandem.moe_determinism.model.rope import Rope
 from tandem.moe_determinism.replay import RouterReplay, RoutingTrace
 
+TokenScoreFn = Callable[[slice, torch.Tensor], tuple[torch.Tensor, ...]]
+"""What a caller computes from the logits of a run of valid tokens: ``(rows, logits)`` ->
+per-token tensors whose first dimension is those rows (log-probs, entropy, ...)."""
+
 
 @dataclass
 class MoEOutput:
-    """logits: [B, T, V] for padded input (zeros at padding), [N, V] for packed input.
+    """logits: [B, T, V] for padded input (zeros at padding), [N, V] for packed input; None
+    when the pass was asked for ``scores`` instead.
     route_ids: [N, moe_layers, top_k] experts used by each valid token, in flat token order
     (one entry per MoE layer, `MoEConfig.moe_layers`; none for a dense model).
-    counts: new tokens per sequence (to split the flat outputs)."""
+    counts: new tokens per sequence (to split the flat outputs).
+    scores: what ``score`` returned, chunk outputs concatenated: [N, ...] per valid token."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     route_ids: torch.Tensor
     counts: list[int]
     num_experts: int
+    scores: tuple[torch.Tensor, ...] | None = None
 
     def traces(self) -> list[RoutingTrace]:
         """One `RoutingTrace` per sequence, covering the tokens this pass processed."""
@@ -185,11 +193,19 @@ class MoETransformer(nn.Module):
         slots: torch.Tensor | list[int] | None = None,
         routing: RouterReplay | None = None,
         parents: torch.Tensor | list[int] | None = None,
+        score: TokenScoreFn | None = None,
+        score_rows: int = 1024,
     ) -> MoEOutput:
         """``parents`` (no cache): sequence s continues sequence ``parents[s]`` (-1: none);
         its tokens follow all of the parent's, which it attends to. A group of rollouts that
         share a prompt is scored as the prompt once plus each rollout's own tokens, with the
-        same per-token results as scoring each whole rollout (under `batch_invariant()`)."""
+        same per-token results as scoring each whole rollout (under `batch_invariant()`).
+
+        ``score``: instead of logits, return what ``score(rows, logits)`` computes from the
+        logits of ``score_rows`` valid tokens at a time (`MoEOutput.scores`). Each chunk's
+        logits are recomputed in backward rather than kept, so a pass never holds [tokens,
+        vocabulary] logits for more than one chunk; under `batch_invariant()` every row's
+        logits are the bits of the whole pass's."""
         cfg = self.config
         if parents is not None and cache is not None:
             raise MoEDeterminismError("parents and a KV cache cannot be combined")
@@ -227,6 +243,14 @@ class MoETransformer(nn.Module):
         if cache is not None:
             assert layout.slots is not None
             cache.lengths[layout.slots] += layout.counts.cpu()
+        if score is not None:
+            return MoEOutput(
+                logits=None,
+                route_ids=self._route_ids(all_ids, tokens.numel()),
+                counts=layout.counts.tolist(),
+                num_experts=cfg.num_experts,
+                scores=self._chunked_scores(h, score, score_rows),
+            )
         with invariant_cpu_scope(h):
             logits = self.lm_head(self.norm(h))
         if scatter is not None:
@@ -234,14 +258,37 @@ class MoETransformer(nn.Module):
             full = logits.new_zeros(b, t, logits.shape[-1])
             full[scatter] = logits
             logits = full
-        route_ids = (
-            torch.stack(all_ids, dim=1)
-            if all_ids
-            else torch.zeros(tokens.numel(), 0, cfg.num_experts_per_tok, dtype=torch.long)
-        )
         return MoEOutput(
             logits=logits,
-            route_ids=route_ids,
+            route_ids=self._route_ids(all_ids, tokens.numel()),
             counts=layout.counts.tolist(),
             num_experts=cfg.num_experts,
         )
+
+    def _route_ids(self, all_ids: list[torch.Tensor], tokens: int) -> torch.Tensor:
+        if all_ids:
+            return torch.stack(all_ids, dim=1)
+        return torch.zeros(tokens, 0, self.config.num_experts_per_tok, dtype=torch.long)
+
+    def _chunked_scores(
+        self, h: torch.Tensor, score: TokenScoreFn, rows: int
+    ) -> tuple[torch.Tensor, ...]:
+        """``score`` over the logits of ``rows`` tokens at a time; with gradients, each chunk
+        is an activation checkpoint (its logits are recomputed in backward)."""
+        if rows < 1:
+            raise MoEDeterminismError(f"score_rows must be >= 1, got {rows}")
+
+        def chunk(part: torch.Tensor, where: slice) -> tuple[torch.Tensor, ...]:
+            with invariant_cpu_scope(part):  # also for the recompute in backward
+                return score(where, self.lm_head(self.norm(part)))
+
+        outs = []
+        for start in range(0, h.shape[0], rows):
+            where = slice(start, min(start + rows, h.shape[0]))
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(chunk, h[where], where, use_reentrant=False))
+            else:
+                outs.append(chunk(h[where], where))
+        if not outs:
+            outs.append(score(slice(0, 0), h.new_zeros(0, self.config.vocab_size)))
+        return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))

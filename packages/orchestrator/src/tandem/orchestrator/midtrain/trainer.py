@@ -52,15 +52,33 @@ def make_batch(items: Sequence[Sequence_], pad_id: int) -> tuple[torch.Tensor, .
 
 
 def batch_loss(
-    model: MoETransformer, ids: torch.Tensor, lengths: torch.Tensor, target_mask: torch.Tensor
+    model: MoETransformer,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    target_mask: torch.Tensor,
+    logits_chunk: int = 0,
 ) -> torch.Tensor:
-    """Mean cross-entropy of the next token over the scored target positions."""
-    out = model(ids[:, :-1], (lengths - 1).clamp_min(0))
+    """Mean cross-entropy of the next token over the scored target positions; with
+    ``logits_chunk``, from the logits of that many tokens at a time (`MoETransformer`'s
+    ``score``), never the whole batch's."""
+    fed = (lengths - 1).clamp_min(0)
+    valid = target_mask & (torch.arange(ids.shape[1] - 1)[None, :] < fed[:, None])
+    if logits_chunk:
+        keep = torch.arange(ids.shape[1] - 1)[None, :] < fed[:, None]
+        targets = ids[:, 1:][keep]  # the fed tokens' next tokens, in the model's flat order
+
+        def score(where: slice, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return (F.cross_entropy(logits.float(), targets[where], reduction="none"),)
+
+        out = model(ids[:, :-1], fed, score=score, score_rows=logits_chunk)
+        assert out.scores is not None
+        ce = out.scores[0]
+        return (ce * valid[keep]).sum() / valid.sum().clamp_min(1)
+    out = model(ids[:, :-1], fed)
     logits = out.logits.float()
     ce = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
     ).view_as(target_mask)
-    valid = target_mask & (torch.arange(ids.shape[1] - 1)[None, :] < (lengths - 1)[:, None])
     return (ce * valid).sum() / valid.sum().clamp_min(1)
 
 
@@ -83,6 +101,7 @@ class Midtrainer:
             raise ValueError("transcript_fraction < 1 but there is no code")
         self.model = model
         self.config = config
+        model.activation_checkpointing = config.activation_checkpointing
         self.code = [(w.tolist(), [1] * len(w)) for w in code]
         self.transcripts = list(transcripts)
         self.pad_id = pad_id
@@ -114,7 +133,7 @@ class Midtrainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(step, c)
             ids, lengths, mask = make_batch(self._batch(), self.pad_id)
-            loss = batch_loss(self.model, ids, lengths, mask)
+            loss = batch_loss(self.model, ids, lengths, mask, self.config.logits_chunk)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))

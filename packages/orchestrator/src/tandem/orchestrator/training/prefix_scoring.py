@@ -139,13 +139,17 @@ def score_shared(
     *,
     entropy_grad: bool = False,
     reference: MoETransformer | None = None,
+    logits_chunk: int = 0,
 ) -> TokenScores:
     """Log-probs [B, T] of ``batch`` (position 0 and padding 0), as `trainer.score` gives
     them on every real token, with each group's common prefix computed once (``layout``:
     this batch's, if the caller already built it), and each position's entropy (with its
     gradient when ``entropy_grad``, for an entropy bonus in the loss). With ``reference``
     (a frozen policy, fed the same tokens under the same routes, without gradient) also the
-    exact forward KL of every position's distribution to the reference's."""
+    exact forward KL of every position's distribution to the reference's. With
+    ``logits_chunk`` (and no reference) the logits are formed that many tokens at a time
+    inside the pass (`MoETransformer`'s ``score``): the same bits, without [tokens,
+    vocabulary] logits for the whole micro-batch."""
     if layout is None:
         layout = SharedLayout(batch, match_routes=replay == "R3")
     if not layout.routes:  # no row has a token to score (every row is one token)
@@ -164,12 +168,28 @@ def score_shared(
     def routing() -> RouterReplay | None:  # each pass consumes its own copy of the routes
         return None if traces is None else RouterReplay(traces, mode)
 
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return F.pad(torch.cat([values, values.new_zeros(1)])[layout.index], (1, 0))
+
+    if logits_chunk and reference is None:
+
+        def token_scores(where: slice, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            logits = sampling_logits(logits, temperature, vocab)
+            return target_logprobs_entropy(logits, layout.targets[where], entropy_grad=entropy_grad)
+
+        out = model(
+            layout.tokens,
+            routing=routing(),
+            score=token_scores,
+            score_rows=logits_chunk,
+            **kwargs,
+        )
+        assert out.scores is not None
+        flat, entropy = out.scores
+        return TokenScores(per_row(flat), per_row(entropy), None)
     out = model(layout.tokens, routing=routing(), **kwargs)
     logits = sampling_logits(out.logits, temperature, vocab)
     flat, entropy = target_logprobs_entropy(logits, layout.targets, entropy_grad=entropy_grad)
-
-    def per_row(values: torch.Tensor) -> torch.Tensor:
-        return F.pad(torch.cat([values, values.new_zeros(1)])[layout.index], (1, 0))
 
     kl = None
     if reference is not None:

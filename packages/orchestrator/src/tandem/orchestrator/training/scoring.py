@@ -99,8 +99,10 @@ class ReplayScorer:
         *,
         entropy_grad: bool = False,
         reference: MoETransformer | None = None,
+        logits_chunk: int = 0,
     ) -> None:
         self.replay = replay
+        self.logits_chunk = logits_chunk
         self.temperature = temperature
         self.vocab = vocab  # the tokenizer's ids (a padded embedding's rows past it are not)
         self.share_prefixes = share_prefixes
@@ -137,6 +139,7 @@ class ReplayScorer:
             self.vocab,
             entropy_grad=self.entropy_grad,
             reference=reference,
+            logits_chunk=self.logits_chunk,
         )
         return scored, layout
 

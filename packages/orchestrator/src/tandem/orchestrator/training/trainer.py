@@ -78,7 +78,9 @@ class RLTrainer:
             vocab,
             entropy_grad=config.loss.entropy_coef > 0,
             reference=self.reference if forward_kl else None,
+            logits_chunk=config.logits_chunk,
         )
+        model.activation_checkpointing = config.activation_checkpointing
         self.rank, self.world = rank, world
         self.fsdp = config.parallel == "fsdp"
         # experts that none of a rank's tokens reach get no gradient on that rank
