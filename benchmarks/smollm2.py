@@ -211,7 +211,9 @@ def trainer_stage(model_dir: Path, args: argparse.Namespace) -> Figures:
     groups = trainer_groups(model, model_dir, args)
     tokens = sum(len(s.tokens) for g in groups for s in g)
     # a dense model routes nothing: no routing-agreement pass
-    trainer = RLTrainer(model, TrainerConfig(lr=1e-6, routing_check_rows=0), vocab=VOCAB)
+    # logits 1,024 tokens at a time, as the measured figures were taken (a real vocabulary's)
+    config = TrainerConfig(lr=1e-6, routing_check_rows=0, logits_chunk=1024)
+    trainer = RLTrainer(model, config, vocab=VOCAB)
     times, fed = [], 0
     for step in range(1 + args.train_steps):
         t0 = time.perf_counter()

@@ -141,7 +141,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parallel: Literal["ddp", "fsdp"] = "fsdp"
     share_prefixes: bool = True
     updates_per_step: int = 1
-    logits_chunk: int = 1024
+    logits_chunk: int = 0
     activation_checkpointing: bool = False
     loss: GRPOConfig = msgspec.field(default_factory=GRPOConfig)
 

@@ -10,6 +10,7 @@ groups travel between Ray actors and the driver.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -75,6 +76,15 @@ class Group(msgspec.Struct, frozen=True):
 
     samples: list[Sample]
     policy_version: int
+
+
+def has_signal(rewards: Sequence[float], train_failed: bool = False) -> bool:
+    """Whether a group with these rewards trains the policy: its rewards differ, or (with
+    ``train_failed``, grpo's ``failed_group_advantage``) there are two or more and none is
+    above 0. The group filter and the curriculum both ask it."""
+    if len(set(rewards)) > 1:
+        return True
+    return train_failed and len(rewards) >= 2 and max(rewards) <= 0
 
 
 class PlayedGroup(msgspec.Struct, kw_only=True):

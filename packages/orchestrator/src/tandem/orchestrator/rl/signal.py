@@ -10,24 +10,16 @@ or below) carries a signal too: the trainer pushes the policy away from what it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import structlog
 
-from tandem.orchestrator.wire import Group
+from tandem.orchestrator.wire import Group, has_signal
 
 log = structlog.get_logger()
 
 NO_SIGNAL_REPORT_EVERY = 32
 """Equal-reward groups in a row between two `rl.no_signal` warnings."""
-
-
-def has_signal(rewards: Sequence[float], train_failed: bool = False) -> bool:
-    """Whether a group with these rewards trains the policy: its rewards differ, or (with
-    ``train_failed``) there are two or more and none is above 0."""
-    if len(set(rewards)) > 1:
-        return True
-    return train_failed and len(rewards) >= 2 and max(rewards) <= 0
 
 
 class SignalFilter:

@@ -23,8 +23,8 @@ from typing import Any
 
 from tandem.agent_env import Task
 from tandem.orchestrator.config import CurriculumConfig
-from tandem.orchestrator.rl.signal import has_signal
 from tandem.orchestrator.rollout.tasks import TaskSource, task_category
+from tandem.orchestrator.wire import has_signal
 
 
 class SaturationFilter:
