@@ -21,6 +21,12 @@ memory fits ``--memory-gib`` (default: this machine's memory less ``--headroom-g
 Weights are held in fp32.
 
     uv run python benchmarks/stage_memory.py [--sizes 16 64 192] [--memory-gib 24]
+
+``--context`` gives the other axis, the trainer's scoring pass against context length with
+a real vocabulary, before and after chunked logits and activation checkpointing
+(`context_memory.py`):
+
+    uv run python benchmarks/stage_memory.py --context [--lengths 1024 4096 16384]
 """
 
 from __future__ import annotations
@@ -169,7 +175,20 @@ def main() -> None:
     ap.add_argument("--memory-gib", type=float, default=None)
     ap.add_argument("--headroom-gib", type=float, default=2.0)
     ap.add_argument("--child", nargs=4, metavar=("STAGE", "CKPT", "OUT", "MILLIONS"))
+    ap.add_argument("--context", action="store_true", help="the context-length axis instead")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="with --context")
+    ap.add_argument("--vocabs", type=int, nargs="+", default=None, help="with --context")
+    ap.add_argument("--limit-gib", type=float, default=14.0, help="with --context: per point")
     args = ap.parse_args()
+    if args.context:
+        import context_memory
+
+        context_memory.run(
+            args.lengths or list(context_memory.LENGTHS),
+            args.vocabs or list(context_memory.VOCABS),
+            args.limit_gib,
+        )
+        return
     if args.child:
         stage, ckpt, out, millions = args.child
         child(stage, Path(ckpt), Path(out), float(millions))
