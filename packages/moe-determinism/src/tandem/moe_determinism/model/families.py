@@ -83,6 +83,9 @@ FAMILIES: dict[str, Family] = {
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where a config.json may hold its number of routed experts (transformers writes some
+families' under another name than the Hub's)."""
 
 
 def family(model_type: str) -> Family:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.model.config import SUPPORTED_MODEL_TYPES, MoEConfig, RopeScaling
-from tandem.moe_determinism.model.families import FAMILIES
+from tandem.moe_determinism.model.families import EXPERT_COUNT_KEYS, FAMILIES
 
 if TYPE_CHECKING:
     import torch
@@ -177,8 +177,7 @@ def _rope_scaling(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 def _moe_fields(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     fam = FAMILIES[kind]
     fields: dict[str, Any] = {k: raw[k] for k in _MOE_KEYS if k in raw}
-    # transformers writes some families' expert count under another name than the Hub's
-    keys = (fam.experts_key, "num_experts", "num_local_experts", "n_routed_experts")
+    keys = (fam.experts_key, *EXPERT_COUNT_KEYS)
     fields["num_experts"] = next((raw[k] for k in keys if raw.get(k) is not None), 0)
     # transformers' default is False for Qwen3-MoE; a config that omits it means False
     fields["norm_topk_prob"] = bool(raw.get("norm_topk_prob", kind == "mixtral"))

@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import structlog
 
+from tandem.moe_determinism.model.families import EXPERT_COUNT_KEYS
 from tandem.orchestrator.inference.engine_config import EngineConfig
 from tandem.orchestrator.inference.vllm.errors import VllmServerFailed
 
@@ -74,9 +75,7 @@ def checkpoint_dtype(model_dir: Path) -> str:
 def has_experts(model_dir: Path) -> bool:
     """Whether the checkpoint is an MoE (vLLM refuses to capture routes of a dense model)."""
     config = _hf_config(model_dir)
-    # each family names its routed experts differently (Qwen3-MoE, Mixtral, DeepSeek-V3)
-    keys = ("num_experts", "num_local_experts", "n_routed_experts")
-    return any(int(str(config.get(k) or 0)) > 0 for k in keys)
+    return any(int(str(config.get(k) or 0)) > 0 for k in EXPERT_COUNT_KEYS)
 
 
 def server_env(engine: EngineConfig, *, cuda: bool) -> dict[str, str]:
