@@ -2,9 +2,12 @@
 
 `behaviour_workload.py` mid-trains a tiny MoE, then runs ``pipelined`` and ``sync`` RL from
 it, and digests every weight state it produces. The digests in
-``data/behaviour_digests.json`` were recorded from the code before the orchestrator was
-reorganised into wings; equal digests mean the same weights bit for bit, so a change of
-structure that changed behaviour fails here.
+``data/behaviour_digests.json`` were recorded before the orchestrator was reorganised into
+wings, and again when the MoE experts stopped padding their rows (which sums their weight
+gradients in another order: the same rollouts and rewards, other low bits); equal digests
+mean the same weights bit for bit, so a change of structure that changed behaviour fails
+here. A change that means to alter the numbers re-records them (``python
+tests/behaviour_workload.py DIR`` with the kernels pinned as below) and says why.
 
 Bits depend on the CPU's kernels as well as on the code (AVX-512 and AVX2 sum in other
 orders), so the workload runs with the kernels pinned: ATen's AVX2 code paths, MKL's AVX2

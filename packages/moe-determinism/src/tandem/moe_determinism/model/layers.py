@@ -1,7 +1,7 @@
 """Layers of the reference transformer: the MoE block (softmax top-k or grouped sigmoid
 router over SwiGLU experts, an optional shared expert) and the decoder layer.
 
-Matmuls go through `F.linear`/`torch.bmm`, so `batch_invariant()` makes them invariant.
+Matmuls go through `F.linear`, so `batch_invariant()` makes them invariant.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.moe_determinism.mode import is_batch_invariant
 from tandem.moe_determinism.model.attention import Attention, MLAttention
 from tandem.moe_determinism.model.basics import (
     RMSNorm,
@@ -19,8 +18,8 @@ from tandem.moe_determinism.model.basics import (
     invariant_cpu_scope,
 )
 from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.model.experts import routed_experts
 from tandem.moe_determinism.model.rope import Rope
-from tandem.moe_determinism.ops.tiles import ROW_TILE
 from tandem.moe_determinism.routing import combine, route
 
 __all__ = ["DecoderLayer", "MoEBlock", "RMSNorm", "SwiGLU", "TokenLayout", "invariant_cpu_scope"]
@@ -30,9 +29,9 @@ class MoEBlock(nn.Module):
     """A router (softmax top-k, or DeepSeek-V3's grouped sigmoid with a per-expert correction
     bias, `routing.route`) over SwiGLU experts, plus an optional always-on shared expert.
 
-    Expert weights are stacked [E, out, in] so per-expert GEMMs are plain `F.linear` calls
-    on the rows routed to that expert (each row's result does not depend on which other
-    rows were routed there, under `batch_invariant()`).
+    Expert weights are stacked [E, out, in]; `experts.routed_experts` multiplies each
+    expert's weights by the rows routed to it alone (each row's result does not depend on
+    which other rows were routed there, under `batch_invariant()`).
     """
 
     def __init__(self, cfg: MoEConfig) -> None:
@@ -69,28 +68,8 @@ class MoEBlock(nn.Module):
             topk_group=cfg.topk_group,
             scale=cfg.routed_scaling_factor,
         )
-        k = cfg.num_experts_per_tok
-        flat = r.ids.reshape(-1)  # [N * k] expert of each (token, slot)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=cfg.num_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        expert_of = flat[order]
-        rank = torch.arange(flat.numel(), device=x.device) - starts[expert_of]
-        # All experts in one batched GEMM: rows routed to expert e fill xe[e, :count_e].
-        # Each row's result depends only on the row and the expert's weights, so the padding
-        # and the other rows do not matter (under batch_invariant()).
-        cap = int(counts.max()) if flat.numel() else 0
-        if is_batch_invariant() and not x.is_cuda:  # whole row tiles: the products take the
-            cap = -(-cap // ROW_TILE) * ROW_TILE  # rows where they lie instead of a padded copy
-        xe = x.new_zeros(cfg.num_experts, cap, x.shape[-1])
-        xe[expert_of, rank] = x[order // k]
-        hidden = F.silu(torch.bmm(xe, self.gate_proj.transpose(1, 2))) * torch.bmm(
-            xe, self.up_proj.transpose(1, 2)
-        )
-        ye = torch.bmm(hidden, self.down_proj.transpose(1, 2))
-        slots_out = x.new_zeros(flat.numel(), x.shape[-1])
-        slots_out[order] = ye[expert_of, rank]
-        out = combine(slots_out.view(-1, k, x.shape[-1]), r.weights)
+        slots = routed_experts(x, r.ids, self.gate_proj, self.up_proj, self.down_proj)
+        out = combine(slots, r.weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x).float()
         return out.to(x.dtype), r.ids
