@@ -16,17 +16,20 @@ which the tree absorbs without changing a bit. Splitting by a fixed *size* (neve
 *number* of splits) is what keeps the split boundaries where they were.
 
 Grouped-query attention is handled by stacking the query heads of a KV head as extra rows.
+Only the forward must be invariant: with a gradient wanted, the forward records no graph and
+the gradient is torch's fused attention's (`attention_grad`).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
-from tandem.moe_determinism.ops import attention_parts
+from tandem.moe_determinism.ops import attention_grad, attention_parts
 from tandem.moe_determinism.ops.gemm import fixed_shape_bmm
 from tandem.moe_determinism.ops.reduction import fixed_sum, tree_sum
 from tandem.moe_determinism.ops.shared_splits import SharedSplits
@@ -152,10 +155,17 @@ def attention(
         from tandem.moe_determinism.kernels.dispatch import cuda_attention
 
         return cuda_attention(q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale)
-    return attention_parts.compute(
+    run = partial(
+        attention_parts.compute,
         _attention_cpu,
         q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk, kv_origins,
     )  # fmt: skip
+    if causal and kv_slots is None and attention_grad.needs_graph(q, k, v):
+        # the forward's bits without a graph; the gradient from torch's fused kernel
+        return attention_grad.ExactForwardAttention.apply(
+            q, k, v, q_positions, kv_lengths, scale, run
+        )
+    return run()
 
 
 def _check_origins(

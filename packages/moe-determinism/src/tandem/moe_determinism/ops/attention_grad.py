@@ -1,0 +1,125 @@
+"""The gradient of the CPU split attention, from torch's fused attention kernel.
+
+Only attention's forward values must match the inference engine bit for bit; like every
+product's backward under `batch_invariant()` (see `mode.py`), its gradient may come from a
+stock kernel. Recording the split attention's own autograd graph kept every (query block,
+KV split) pair's scores and probabilities for the backward (memory quadratic in the context:
+about 0.9, 1.5 and 2.4 GB for one layer at 1k, 2k and 3k tokens) and ran its thousands of
+small products backwards. Here the forward runs without a graph and saves only q, k, v and
+the positions; the backward recomputes the attention with torch's fused CPU kernel (flash
+attention, which returns the log-sum-exp its backward needs) and takes that kernel's
+gradient: the exact gradient of the same function up to float rounding (tested against
+float64), in memory linear in the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def needs_graph(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class ExactForwardAttention(torch.autograd.Function):
+    """``forward_fn()``'s values (the split attention, invariant bits), torch's fused
+    attention's gradient. q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D]; a query at position p sees
+    keys j < kv_lengths and j <= p."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_positions: torch.Tensor,
+        kv_lengths: torch.Tensor,
+        scale: float,
+        forward_fn: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, q_positions, kv_lengths)
+        ctx.scale = scale
+        return forward_fn()  # autograd records nothing inside a Function's forward
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, q_positions, kv_lengths = ctx.saved_tensors
+        gq, gk, gv = fused_attention_grad(grad, q, k, v, q_positions, kv_lengths, ctx.scale)
+        return gq, gk, gv, None, None, None, None
+
+
+def fused_attention_grad(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_lengths: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, k, v for causal attention with a key-length limit, by torch's fused
+    CPU kernel, batch row by batch row; grouped-query heads take the sum over their query
+    heads.
+
+    A query row whose output gradient is zero (a padding row, its output dropped) has a zero
+    gradient and adds exactly nothing to the keys' and values' (dO = 0 makes dV's, dP's and
+    the softmax correction's terms 0), so each batch row is cut after its last query with a
+    gradient, and its keys after the last one those queries see: a packed batch's short
+    sequences cost their own length, not the longest one's."""
+    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    group = q.shape[1] // k.shape[1]
+    live = grad.ne(0).any(-1).any(1)  # [B, Tq]: query rows with a gradient
+    for b in range(q.shape[0]):
+        rows = live[b].nonzero()
+        if rows.numel() == 0:
+            continue
+        tq = int(rows[-1]) + 1
+        pos = q_positions[b, :tq]
+        tk = min(int(kv_lengths[b]), int(pos.max()) + 1)
+        if tk <= 0:
+            continue
+        g_q, g_k, g_v = _one_row(
+            grad[b : b + 1, :, :tq], q[b : b + 1, :, :tq], k[b : b + 1, :, :tk],
+            v[b : b + 1, :, :tk], pos, int(kv_lengths[b]), group, scale,
+        )  # fmt: skip
+        gq[b, :, :tq], gk[b, :, :tk], gv[b, :, :tk] = g_q[0], g_k[0], g_v[0]
+    return gq, gk, gv
+
+
+def _one_row(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: torch.Tensor,
+    kv_length: int,
+    group: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch row: q [1, Hq, Tq, D] at positions ``pos``, k and v [1, Hkv, Tk, D]."""
+    tq, tk = q.shape[2], k.shape[2]
+    kc = k.repeat_interleave(group, 1) if group > 1 else k.contiguous()
+    vc = v.repeat_interleave(group, 1) if group > 1 else v.contiguous()
+    keys = torch.arange(tk, device=q.device)
+    if tk == tq and bool((pos == keys).all()):
+        mask, causal = None, True  # queries at 0..Tq-1 over as many keys: the fused causal
+    else:  # kernel, which also skips the masked blocks
+        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_length)
+        visible[:, 0] |= ~visible.any(-1)  # a row that sees nothing keeps key 0, as forward
+        mask = torch.zeros(1, 1, tq, tk, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~visible, float("-inf"))
+        causal = False
+    qc = q.contiguous()
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qc, kc, vc, 0.0, causal, attn_mask=mask, scale=scale
+    )
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.contiguous(), qc, kc, vc, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+    )
+    if group > 1:
+        hkv = k.shape[1]
+        gk = gk.view(1, hkv, group, tk, k.shape[-1]).sum(2)
+        gv = gv.view(1, hkv, group, tk, v.shape[-1]).sum(2)
+    return gq, gk, gv
