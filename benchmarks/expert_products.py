@@ -9,12 +9,14 @@ this process, interleaved, from the same weights and routes:
    `batch_invariant()`, at the demo's shape and at a wider one, with a router skewed as a
    trained one is (`--skew`: the busiest expert's share of the rows);
 2. the demo's GRPO step (`RLTrainer.step`, its config, groups shaped like its rollouts as
-   in benchmarks/prefix_scoring.py), the MoE layers switched between the two products.
+   in benchmarks/prefix_scoring.py) as before (padded experts, and the split attention's
+   own autograd graph), with unpadded experts, and today (unpadded experts, attention's
+   gradient from torch's fused kernel: `ops/attention_grad.py`).
 
 Printed: the padding factor (the padded rows over the routed rows), median milliseconds of
-each side and their ratio (padded over unpadded), and for the step whether both gave the
-same update (the products are the same rows' products: the forward bits are equal, the
-gradients equal within float rounding).
+each side and their ratio (padded over unpadded), and for the step each side's median and
+speed-up over before, and how far apart the weights end (the forward bits are equal; the
+gradients differ in rounding).
 
     uv run python benchmarks/expert_products.py [--policy runs/demo/midtrained] [--repeats 5]
 """
@@ -115,11 +117,14 @@ def layer_case(name: str, shape: tuple[int, int, int, int, int], args: argparse.
 
 
 def demo_step(args: argparse.Namespace) -> None:
-    """The demo's GRPO step, its MoE layers on one product then the other, interleaved."""
+    """The demo's GRPO step three ways, interleaved: as before (padded experts, the split
+    attention's own autograd graph), with unpadded experts, and with unpadded experts and
+    the fused attention gradient (today's code)."""
     from prefix_scoring import make_groups
 
     from tandem.app.config import load_config
     from tandem.app.pipeline_config import PipelineConfig
+    from tandem.moe_determinism.ops import attention_grad
     from tandem.orchestrator.inference.chat_format import ChatFormat
     from tandem.orchestrator.policy import build_model, clone_model, load_policy
     from tandem.orchestrator.training.trainer import RLTrainer
@@ -133,25 +138,37 @@ def demo_step(args: argparse.Namespace) -> None:
     shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=110)
     groups = make_groups(model, shape, torch.Generator().manual_seed(0))
     trainer_cfg = msgspec.structs.replace(cfg.trainer, routing_check_rows=0)
-    sides = {"padded": padded_experts, "unpadded": experts_module.routed_experts}
+    fused = attention_grad.needs_graph
+
+    def graph_attention(*_: torch.Tensor) -> bool:
+        return False  # the split attention records its own graph, as before
+
+    sides = {  # experts, whether attention takes the fused kernel's gradient
+        "before": (padded_experts, graph_attention),
+        "unpadded experts": (experts_module.routed_experts, graph_attention),
+        "today": (experts_module.routed_experts, fused),
+    }
     trainers = {s: RLTrainer(clone_model(model), trainer_cfg, temperature=1.0) for s in sides}
     times: dict[str, list[float]] = {s: [] for s in sides}
+    names = list(sides)
     for r in range(args.repeats + 1):
-        for side in ("padded", "unpadded") if r % 2 else ("unpadded", "padded"):
-            layers.routed_experts = sides[side]  # what every MoEBlock calls
+        for side in names if r % 2 else names[::-1]:
+            layers.routed_experts, attention_grad.needs_graph = sides[side]
             t = timed(partial(trainers[side].step, groups, version=r))
             if r:
                 times[side].append(t)
-    layers.routed_experts = experts_module.routed_experts
-    p, u = (statistics.median(times[s]) for s in ("padded", "unpadded"))
-    print(
-        f"demo GRPO step ({cfg.rl.groups_per_step} groups x {cfg.rl.group_size}, "
-        f"{cfg.trainer.updates_per_step} updates): padded {p:.3f} s, unpadded {u:.3f} s, "
-        f"{p / u:.2f}x"
-    )
-    a, b = (dict(trainers[s].model.named_parameters()) for s in sides)
+    layers.routed_experts, attention_grad.needs_graph = experts_module.routed_experts, fused
+    base = statistics.median(times["before"])
+    print(f"demo GRPO step ({cfg.rl.groups_per_step} groups x {cfg.rl.group_size}, "
+          f"{cfg.trainer.updates_per_step} updates), median of {args.repeats}:")  # fmt: skip
+    for side in names:
+        m = statistics.median(times[side])
+        print(f"  {side:>17}: {m:.3f} s, {base / m:.2f}x")
+    a, b = (dict(trainers[s].model.named_parameters()) for s in ("before", "today"))
     worst = max(float((a[n] - b[n]).detach().abs().max()) for n in a)
-    print(f"after {args.repeats + 1} steps each, max |weight difference| {worst:.3g}")
+    print(
+        f"  after {args.repeats + 1} steps each, max |weight difference| before/today {worst:.3g}"
+    )
 
 
 def main() -> int:

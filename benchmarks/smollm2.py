@@ -261,6 +261,24 @@ def machine(threads: int) -> str:
             f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
 
 
+def gemm_peak(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate at ``threads`` threads (FLOP/s): the best of a few
+    [n, n] @ [n, n] products, the yardstick of model FLOPs utilisation."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(before)
+    return 2 * n**3 / best
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b and b == b and a == a else "-"
 
@@ -290,6 +308,11 @@ def report(rows: dict[str, Figures], args: argparse.Namespace) -> None:
     print(f"trainer (RLTrainer.step, {tr['samples']} samples, {tr['tokens']} tokens, "
           f"{tr['fed']} fed with shared prefixes): {tr['step_s']:.1f} s/step, "
           f"{tr['tps']:.0f} tokens/s, peak RSS {tr['peak_rss'] / MIB:.0f} MiB")  # fmt: skip
+    # model FLOPs: 6 x parameters x tokens computed, against this process's fp32 GEMM peak
+    peak = gemm_peak(args.threads)
+    flops = 6 * load["params"] * tr["fed"] / tr["step_s"]
+    print(f"trainer model FLOPs {flops / 1e9:.1f} GFLOP/s; fp32 GEMM peak at {args.threads} "
+          f"thread(s) {peak / 1e9:.1f} GFLOP/s: MFU {flops / peak:.1%}")  # fmt: skip
     if vl:
         short = sum(vl[str(c)]["short"] for c in args.concurrency)
         print(f"vLLM server start (not counted): {vl['start_s']:.1f} s; "

