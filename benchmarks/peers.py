@@ -30,15 +30,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import resource
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from smollm2 import ROOT, default_model, gemm_peak, machine, progress, task_prompts
+from smollm2 import (
+    child_of,
+    default_model,
+    gemm_peak,
+    machine,
+    progress,
+    run_child,
+    task_prompts,
+)
 
 Figures = dict[str, Any]
 CODE = re.compile(r"\bdef\s|\breturn\b|```")
@@ -223,23 +228,8 @@ SIDES = {"tandem": tandem_side, "trl": trl_side}
 SHARED = ("steps", "groups", "group_size", "new_tokens", "lr", "threads")
 
 
-def child(side: str, model_dir: Path, args: argparse.Namespace) -> None:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    figures = SIDES[side](model_dir, args)
-    figures["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print("RESULT " + json.dumps(figures), flush=True)
-
-
 def run_side(side: str, model_dir: Path, argv: list[str]) -> Figures:
-    progress(f"{side}: fresh process")
-    cmd = [sys.executable, __file__, "--child", side, "--model", str(model_dir), *argv]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{side} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-    figures = json.loads(lines[-1].removeprefix("RESULT "))
+    figures = run_child(__file__, side, model_dir, argv)
     progress(f"{side}: {json.dumps(figures)}")
     return figures
 
@@ -293,7 +283,7 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = args.model or default_model()
     if args.child:
-        child(args.child, model_dir, args)
+        child_of(SIDES, args.child, model_dir, args)
         return
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
             if k in SHARED]  # fmt: skip

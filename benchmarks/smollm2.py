@@ -229,23 +229,24 @@ def trainer_stage(model_dir: Path, args: argparse.Namespace) -> Figures:
 STAGES = {"load": load_stage, "engine": engine_stage, "trainer": trainer_stage}
 
 
-def child(stage: str, model_dir: Path, args: argparse.Namespace) -> None:
-    """Run one stage here and print its figures, peak RSS included, as the last line."""
+def child_of(stages: dict[str, Any], stage: str, model_dir: Path, args: argparse.Namespace) -> None:
+    """Run ``stages[stage]`` here and print its figures, peak RSS included, as the last line."""
     import torch
 
     torch.set_num_threads(args.threads)
-    figures = STAGES[stage](model_dir, args)
+    figures = stages[stage](model_dir, args)
     figures["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps(figures), flush=True)
 
 
-def run_stage(stage: str, model_dir: Path, argv: list[str]) -> Figures:
-    progress(f"stage {stage}: fresh process")
-    cmd = [sys.executable, __file__, "--child", stage, "--model", str(model_dir), *argv]
+def run_child(script: str, stage: str, model_dir: Path, argv: list[str]) -> Figures:
+    """``script --child stage`` in a fresh process; its figures."""
+    progress(f"{stage}: fresh process")
+    cmd = [sys.executable, script, "--child", stage, "--model", str(model_dir), *argv]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"stage {stage} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+        raise SystemExit(f"{stage} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -337,13 +338,13 @@ def main() -> None:
     args.concurrency = (1, 4) if args.quick else CONCURRENCY
     model_dir = args.model or default_model()
     if args.child:
-        child(args.child, model_dir, args)
+        child_of(STAGES, args.child, model_dir, args)
         return
     argv = [f"--threads={args.threads}"] + (["--quick"] if args.quick else [])
     argv += [f"--new-tokens={args.new_tokens}", f"--train-len={args.train_len}",
              f"--group-size={args.group_size}", f"--train-steps={args.train_steps}"]  # fmt: skip
     progress(f"model {model_dir}; {machine(args.threads)}")
-    rows = {stage: run_stage(stage, model_dir, argv) for stage in STAGES}
+    rows = {stage: run_child(__file__, stage, model_dir, argv) for stage in STAGES}
     if not args.skip_vllm:
         with tempfile.TemporaryDirectory(prefix="smollm2-vllm-") as tmp:
             sets = prompt_sets(model_dir, args.concurrency)
