@@ -124,7 +124,7 @@ def demo_step(args: argparse.Namespace) -> None:
 
     from tandem.app.config import load_config
     from tandem.app.pipeline_config import PipelineConfig
-    from tandem.moe_determinism.ops import attention_grad
+    from tandem.moe_determinism.ops import split_attention
     from tandem.orchestrator.inference.chat_format import ChatFormat
     from tandem.orchestrator.policy import build_model, clone_model, load_policy
     from tandem.orchestrator.training.trainer import RLTrainer
@@ -138,7 +138,7 @@ def demo_step(args: argparse.Namespace) -> None:
     shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=110)
     groups = make_groups(model, shape, torch.Generator().manual_seed(0))
     trainer_cfg = msgspec.structs.replace(cfg.trainer, routing_check_rows=0)
-    fused = attention_grad.needs_graph
+    fused = split_attention.needs_graph
 
     def graph_attention(*_: torch.Tensor) -> bool:
         return False  # the split attention records its own graph, as before
@@ -153,11 +153,11 @@ def demo_step(args: argparse.Namespace) -> None:
     names = list(sides)
     for r in range(args.repeats + 1):
         for side in names if r % 2 else names[::-1]:
-            layers.routed_experts, attention_grad.needs_graph = sides[side]
+            layers.routed_experts, split_attention.needs_graph = sides[side]
             t = timed(partial(trainers[side].step, groups, version=r))
             if r:
                 times[side].append(t)
-    layers.routed_experts, attention_grad.needs_graph = experts_module.routed_experts, fused
+    layers.routed_experts, split_attention.needs_graph = experts_module.routed_experts, fused
     base = statistics.median(times["before"])
     print(f"demo GRPO step ({cfg.rl.groups_per_step} groups x {cfg.rl.group_size}, "
           f"{cfg.trainer.updates_per_step} updates), median of {args.repeats}:")  # fmt: skip

@@ -19,10 +19,6 @@ from collections.abc import Callable
 import torch
 
 
-def needs_graph(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 class ExactForwardAttention(torch.autograd.Function):
     """``forward_fn()``'s values (the split attention, invariant bits), torch's fused
     attention's gradient. q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D]; a query at position p sees

@@ -61,8 +61,9 @@ class _BlockedProduct(torch.autograd.Function):
         return ga, gb
 
 
-def _needs_graph(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+def needs_graph(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on ``tensors`` here."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def fixed_shape_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def fixed_shape_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     On the CPU each matrix is a tile of `tiles` (no extra row padding), computed in batched
     calls of exactly `tiles.BATCH` items: its bits do not depend on P, on its place among
     the P, or on the thread count. Supports autograd."""
-    if _needs_graph(a, b):
+    if needs_graph(a, b):
         return _FixedBmm.apply(a, b)
     return _fixed_bmm(a, b)
 
@@ -104,7 +105,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dim() != 3 or b.dim() != 3:
         raise MoEDeterminismError(f"bmm expects 3-D operands, got {a.dim()}-D and {b.dim()}-D")
     _check(a, b, "bmm")
-    if _needs_graph(a, b):
+    if needs_graph(a, b):
         return _BlockedProduct.apply(a, b)
     if a.is_cuda:
         return cuda_bmm(a, b)
@@ -134,7 +135,7 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dim() != 2 or b.dim() != 2:
         raise MoEDeterminismError(f"mm expects 2-D operands, got {a.dim()}-D and {b.dim()}-D")
     _check(a, b, "mm")
-    if _needs_graph(a, b):
+    if needs_graph(a, b):
         return _BlockedProduct.apply(a, b)
     if a.is_cuda:
         return cuda_mm(a, b)

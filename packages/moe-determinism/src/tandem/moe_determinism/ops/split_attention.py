@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.ops import attention_grad, attention_parts
-from tandem.moe_determinism.ops.gemm import fixed_shape_bmm
+from tandem.moe_determinism.ops.gemm import fixed_shape_bmm, needs_graph
 from tandem.moe_determinism.ops.reduction import fixed_sum, tree_sum
 from tandem.moe_determinism.ops.shared_splits import SharedSplits
 
@@ -160,7 +160,7 @@ def attention(
         _attention_cpu,
         q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk, kv_origins,
     )  # fmt: skip
-    if causal and kv_slots is None and attention_grad.needs_graph(q, k, v):
+    if causal and kv_slots is None and needs_graph(q, k, v):
         # the forward's bits without a graph; the gradient from torch's fused kernel
         return attention_grad.ExactForwardAttention.apply(
             q, k, v, q_positions, kv_lengths, scale, run
