@@ -288,7 +288,9 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``transcript_loss``: ``all`` tokens of a transcript or only the ``assistant`` turns.
     ``skip_tools``: read-only calls left out of the transcripts (see `condense`).
     ``edit_min_chars``: the oracle's edits are narrowed to the shortest unique text around the
-    change that is at least this long (see `minimal_edit`). ``logits_chunk`` and
+    change that is at least this long (see `minimal_edit`). ``detour_fraction``: share of the
+    transcripts that first try a sibling task's fix, get the edit tool's error and recover
+    (see `detours`; needs ``env.max_turns`` >= 3). ``logits_chunk`` and
     ``activation_checkpointing``: as the trainer's (`TrainerConfig`), for the next-token
     loss (a real vocabulary's logits of a whole batch are the largest tensor of a step:
     8 windows of 512 tokens over 49,152 ids are 0.8 GB, and their gradient as much again).
@@ -308,6 +310,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transcript_loss: Literal["all", "assistant"] = "all"
     skip_tools: list[str] = msgspec.field(default_factory=lambda: ["list_dir", "run_tests"])
     edit_min_chars: int = 10
+    detour_fraction: float = 0.0
     code_bytes: int = 4_000_000
     log_every: int = 10
     init_seed: int = 0
@@ -321,6 +324,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(0 <= self.transcript_fraction <= 1, "transcript_fraction", "must be in [0, 1]")
         _require(self.lr > 0, "lr", "must be > 0")
         _require(self.edit_min_chars >= 1, "edit_min_chars", "must be >= 1")
+        _require(0 <= self.detour_fraction <= 1, "detour_fraction", "must be in [0, 1]")
 
 
 class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -73,6 +73,7 @@ def midtrain_policy(
         skip_tools=mid.skip_tools,
         edit_min_chars=mid.edit_min_chars,
         max_turns=env.max_turns,
+        detour_fraction=mid.detour_fraction,
         cache=run_dir / "cache" / "oracle_transcripts.json",
     )
     n_played = len(transcripts)

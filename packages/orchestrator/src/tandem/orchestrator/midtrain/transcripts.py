@@ -23,10 +23,12 @@ from tandem.agent_env import (
     Task,
     ToolCall,
     Trajectory,
+    oracle_script,
     run_episodes,
     tool_schemas,
 )
 from tandem.orchestrator.inference.formats import AnyChatFormat
+from tandem.orchestrator.midtrain.detours import Edit, plan_detours
 from tandem.orchestrator.rollout.episode import truncate_observation
 
 log = structlog.get_logger()
@@ -125,24 +127,49 @@ def minimal_edit(text: str, old: str, new: str, min_chars: int = 10) -> tuple[st
 
 
 class MinimalEditOracle:
-    """agent-env's oracle with each `edit` narrowed by `minimal_edit` (the same change)."""
+    """agent-env's oracle with each `edit` narrowed by `minimal_edit` (the same change), and
+    the planned `detours` (wrong edits) sent before a task's first edit."""
 
-    def __init__(self, tasks: Sequence[Task], min_chars: int = 10) -> None:
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        min_chars: int = 10,
+        detours: dict[str, list[Edit]] | None = None,
+    ) -> None:
         self.oracle = OraclePolicy(tasks)
         self.min_chars = min_chars
+        self.detours = detours or {}
+        self._scripts: dict[str, list[ToolCall]] = {}
 
     def for_task(self, task: Task) -> Callable[[list[dict[str, Any]]], Awaitable[ToolCall]]:
         """This policy for one episode of ``task`` (`run_episodes` binds it; tasks of a narrow
         family can share an instruction)."""
-        oracle = self.oracle.for_task(task)
 
         async def policy(messages: list[dict[str, Any]]) -> ToolCall:
-            return self._narrow(await oracle(messages), task)
+            script = self._script(task)
+            done = sum(1 for m in messages if m.get("role") == "assistant")
+            return script[min(done, len(script) - 1)]
 
         return policy
 
     async def __call__(self, messages: list[dict[str, Any]]) -> ToolCall:
         return await self.for_task(self.oracle.task_of(messages))(messages)
+
+    def narrow(self, text: str, old: str, new: str) -> tuple[str, str]:
+        return minimal_edit(text, old, new, self.min_chars)
+
+    def _script(self, task: Task) -> list[ToolCall]:
+        script = self._scripts.get(task.id)
+        if script is None:
+            script = [self._narrow(c, task) for c in oracle_script(task)]
+            first_edit = next((i for i, c in enumerate(script) if c.name == "edit"), None)
+            wrong = [
+                _edit_call(path, old, new) for path, old, new in self.detours.get(task.id, [])
+            ]
+            if first_edit is not None and wrong:
+                script[first_edit:first_edit] = wrong
+            self._scripts[task.id] = script
+        return script
 
     def _narrow(self, call: ToolCall, task: Task) -> ToolCall:
         if call.name != "edit":
@@ -151,16 +178,21 @@ class MinimalEditOracle:
         text = task.files.get(args["path"])
         if text is None:
             return call
-        args["old_string"], args["new_string"] = minimal_edit(
-            text, args["old_string"], args["new_string"], self.min_chars
+        args["old_string"], args["new_string"] = self.narrow(
+            text, args["old_string"], args["new_string"]
         )
         return msgspec.structs.replace(call, arguments=json.dumps(args))
 
 
+def _edit_call(path: str, old: str, new: str) -> ToolCall:
+    return ToolCall(
+        name="edit", arguments=json.dumps({"path": path, "old_string": old, "new_string": new})
+    )
+
+
 async def _play(
-    tasks: Sequence[Task], config: EnvConfig, concurrency: int, edit_min_chars: int
+    tasks: Sequence[Task], config: EnvConfig, concurrency: int, policy: MinimalEditOracle
 ) -> list[Trajectory]:
-    policy = MinimalEditOracle(tasks, edit_min_chars)
     return await run_episodes(policy, tasks, concurrency=concurrency, config=config)
 
 
@@ -174,6 +206,7 @@ def oracle_transcripts(
     skip_tools: Sequence[str] = (),
     edit_min_chars: int = 10,
     max_turns: int | None = None,
+    detour_fraction: float = 0.0,
     cache: str | Path | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """Rendered transcripts of the oracle on ``tasks`` (only resolved episodes are kept).
@@ -181,8 +214,16 @@ def oracle_transcripts(
     ``max_turns``: the policy's turn budget; transcripts are cut to it (`fit_turns`) and
     those that need more turns are left out.
 
+    ``detour_fraction``: share of the tasks whose transcript first tries fixes of sibling
+    tasks, reads the tool's error and then fixes the bug (`detours`); as many detours as the
+    turn budget leaves room for (at most 2).
+
     ``cache``: a file to reuse between runs; it is keyed by the task ids and settings.
     """
+    oracle = MinimalEditOracle(tasks, edit_min_chars)
+    # read_file and the fix take two turns; a closing submit past the budget is dropped
+    budget = 2 if max_turns is None else min(2, max_turns - 2)
+    oracle.detours = plan_detours(tasks, detour_fraction, budget, oracle.narrow)
     key = msgspec.json.encode(
         {
             "tasks": [t.id for t in tasks],
@@ -194,6 +235,7 @@ def oracle_transcripts(
             "tools": tool_schemas(),
             "oracle": f"minimal-edit-{edit_min_chars}",
             "max_turns": max_turns,
+            "detours": sorted(oracle.detours.items()),
         }
     )
     path = Path(cache) if cache is not None else None
@@ -201,7 +243,7 @@ def oracle_transcripts(
         stored = msgspec.json.decode(path.read_bytes())
         if stored.get("key") == key.decode():
             return [(ids, mask) for ids, mask in stored["items"]]
-    trajectories = asyncio.run(_play(tasks, config, concurrency, edit_min_chars))
+    trajectories = asyncio.run(_play(tasks, config, concurrency, oracle))
     kept = [t for t in trajectories if t.resolved]
     if len(kept) < len(trajectories):
         log.warning("midtrain.oracle_failures", failed=len(trajectories) - len(kept))
