@@ -173,7 +173,22 @@ def test_a_malformed_turn_costs_the_turn_with_a_reason(chat: TemplateChatFormat)
     ]
     sample, engine = _play(chat, turns)
     assert sample.format_errors == 1 and sample.turns == 2
+    assert sample.tool_errors == 1  # a malformed call is also a call the env answered in error
     observation = chat.tok.decode(engine.feeds[1])
     assert "<tool_response>\nerror: the tool call is not valid JSON" in observation
     spans = _assistant_spans(sample.loss_mask)
     assert [sample.tokens[i:j] for i, j in spans] == turns
+
+
+def test_an_edit_the_file_does_not_match_counts_as_a_tool_error(chat: TemplateChatFormat) -> None:
+    task = generate_tasks(seed=0, n=1)[0]
+    path = task.reference_edits[0].path
+    turns = [
+        _turn(chat, _call_text(chat, "edit", path=path, old_string="no such text", new_string="x")),
+        _turn(chat, _call_text(chat, "read_file", path=path)),
+        _turn(chat, _call_text(chat, "submit")),
+    ]
+    sample, _ = _play(chat, turns)
+    assert sample.format_errors == 0 and sample.turns == 3
+    assert sample.tool_errors == 1
+    assert "not found" in next(m["content"] for m in sample.messages if m["role"] == "tool")

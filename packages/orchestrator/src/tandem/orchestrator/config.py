@@ -247,7 +247,11 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``torch_threads``: torch's CPU threads in this process while the stage runs (0: torch's
     default; Ray actors have ``ray.torch_threads``); with the local backend the engine and the
     trainer are two threads of this process (on 2 cores, 1 lets each have a core).
-    ``max_equal_groups``: equal-reward groups in a row that end the run (0: it waits on)."""
+    ``max_equal_groups``: equal-reward groups in a row that end the run (0: it waits on).
+    ``tool_error_penalty``: taken off an episode's training reward for each call the
+    environment answered with an error (an edit whose old text is not in the file, a
+    malformed call), so that a group in which no sample solved its task still ranks its
+    samples; pass rates and per-category rewards stay the environment's."""
 
     mode: Literal["async", "sync", "pipelined"] = "async"
     backend: Literal["local", "ray"] = "local"
@@ -264,6 +268,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weights_store: str = ""
     torch_threads: int = 0
     max_equal_groups: int = 0
+    tool_error_penalty: float = 0.0
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     curriculum: CurriculumConfig = msgspec.field(default_factory=CurriculumConfig)
 
@@ -277,6 +282,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.max_ahead >= 0, "max_ahead", "must be >= 0 (0: max_staleness + 1)")
         _require(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0: torch's default)")
         _require(self.max_equal_groups >= 0, "max_equal_groups", "must be >= 0 (0: no limit)")
+        _require(self.tool_error_penalty >= 0, "tool_error_penalty", "must be >= 0")
 
 
 class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

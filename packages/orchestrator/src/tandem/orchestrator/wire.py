@@ -61,6 +61,7 @@ class Sample(msgspec.Struct, kw_only=True, eq=False):
     min_version: int
     max_version: int
     format_errors: int = 0
+    tool_errors: int = 0
     infra_fault: bool = False
     wall_s: float = 0.0
     messages: list[dict[str, Any]] = []

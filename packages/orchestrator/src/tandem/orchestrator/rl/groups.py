@@ -3,7 +3,8 @@
 Every schedule gets its groups here. A group whose episodes were cut or whose sandbox failed
 is dropped whole (nothing partial reaches the trainer); so is one an infrastructure fault
 touched, since its rewards say nothing about the policy. The reward hook, when set, replaces
-the environment's reward. The counters are the run's, and so is the reward of each task
+the environment's reward; ``tool_error_penalty`` then charges each failed call, after the
+category rewards are recorded (they stay the environment's). The counters are the run's, and so is the reward of each task
 category over every group played (`CategoryRewards`, equal-reward groups included).
 """
 
@@ -27,12 +28,18 @@ class GroupSource:
     """Plays groups and keeps the run's counts of them."""
 
     def __init__(
-        self, rollouts: Rollouts, cursor: TaskCursor, hooks: RunHooks, train_failed: bool = False
+        self,
+        rollouts: Rollouts,
+        cursor: TaskCursor,
+        hooks: RunHooks,
+        train_failed: bool = False,
+        tool_error_penalty: float = 0.0,
     ) -> None:
         self.rollouts = rollouts
         self.cursor = cursor
         self.hooks = hooks
         self.signal = SignalFilter(train_failed)
+        self.tool_error_penalty = tool_error_penalty
         self.categories = CategoryRewards()
         self.trajectories = 0
         self.requeued = 0
@@ -56,6 +63,9 @@ class GroupSource:
             log.warning("rl.group_dropped", reason="infrastructure fault", task=task_id)
             return None
         self.categories.record(self.cursor.category(index), [s.reward for s in samples])
+        if self.tool_error_penalty:
+            for s in samples:
+                s.reward -= self.tool_error_penalty * s.tool_errors
         group = Group(samples=list(samples), policy_version=group_version(samples))
         if self.hooks.on_group is not None:
             self.hooks.on_group(group)

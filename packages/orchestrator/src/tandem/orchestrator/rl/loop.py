@@ -207,7 +207,9 @@ class RLRun:
         self.publishing = Publishing(
             backend.sink, backend.trainer, rollouts, lambda: self.version, self.hooks
         )
-        source = GroupSource(rollouts, self.cursor, self.hooks, self.train_failed_groups)
+        source = GroupSource(
+            rollouts, self.cursor, self.hooks, self.train_failed_groups, self.rl.tool_error_penalty
+        )
         staleness = StalenessStats()
         schedule = make_schedule(
             ScheduleContext(

@@ -71,6 +71,7 @@ def step_metrics(
         "reward": sum(s.reward for s in samples) / len(samples),
         "pass_rate": sum(s.resolved for s in samples) / len(samples),
         "format_errors": sum(s.format_errors for s in samples) / len(samples),
+        "tool_errors": sum(s.tool_errors for s in samples) / len(samples),
         "turns": sum(s.turns for s in samples) / len(samples),
         "dropped_stale": staleness.dropped_stale,
         "dropped_fraction": staleness.dropped_fraction,

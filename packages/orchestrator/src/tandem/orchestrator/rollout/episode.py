@@ -168,6 +168,7 @@ async def run_token_episode(
         min_version=lo,
         max_version=hi,
         format_errors=format_errors,
+        tool_errors=sum(1 for step in traj.steps if step.is_error),
         infra_fault=infra,
         wall_s=time.monotonic() - t0,
         messages=traj.messages,
