@@ -16,6 +16,7 @@ from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION
 from tandem.agent_env.rollout import Policy, run_episode, run_episodes
 from tandem.agent_env.task import HiddenCase, HiddenTests, ReferenceEdit, Task, TaskLimits
 from tandem.agent_env.tasks.generate import check_task_family, generate_tasks
+from tandem.agent_env.tasks.multibug import check_multibug_family, generate_multibug_tasks
 from tandem.agent_env.tasks.stdlib import stdlib_tasks
 from tandem.agent_env.tasks.swebench import load_tasks
 from tandem.agent_env.tools import ToolCall, tool_schemas
@@ -54,7 +55,9 @@ __all__ = [
     "TaskLimits",
     "ToolCall",
     "Trajectory",
+    "check_multibug_family",
     "check_task_family",
+    "generate_multibug_tasks",
     "generate_tasks",
     "load_tasks",
     "oracle_script",

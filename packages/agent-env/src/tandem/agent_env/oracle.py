@@ -24,10 +24,18 @@ def _call(name: str, **args: Any) -> ToolCall:
 
 
 def oracle_script(task: Task) -> list[ToolCall]:
-    """The tool calls that demonstrate the task's reference fix."""
+    """The tool calls that demonstrate the task's reference fix.
+
+    A fix spread over several files (e.g. the multibug family, whose instruction names no
+    file) starts with a run of the visible tests, the baseline an agent takes before a
+    multi-file change; a one-file fix (every other task source) goes straight to the file.
+    """
     calls: list[ToolCall] = [_call("list_dir", path=".", depth=2)]
     if task.reference_edits:
-        for path in dict.fromkeys(e.path for e in task.reference_edits):
+        paths = dict.fromkeys(e.path for e in task.reference_edits)
+        if len(paths) > 1:
+            calls.append(_call("run_tests"))
+        for path in paths:
             calls.append(_call("read_file", path=path))
         calls += [
             _call("edit", path=e.path, old_string=e.old, new_string=e.new)

@@ -1,2 +1,2 @@
-"""Task sources: generated bug-fix tasks, bugs injected into real stdlib code, and
-SWE-bench-style records."""
+"""Task sources: generated bug-fix tasks (one bug, or several spread over modules in
+`multibug`), bugs injected into real stdlib code, and SWE-bench-style records."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.sandbox.inside.canon import canon
@@ -28,7 +29,7 @@ MODULE_NAMES = (
     "toolbelt",
     "basics",
 )
-_VISIBLE_CMD = "python3 -m unittest discover -s tests -t . -q"
+VISIBLE_CMD = "python3 -m unittest discover -s tests -t . -q"
 
 
 def _literal(value: object) -> str:
@@ -38,7 +39,8 @@ def _literal(value: object) -> str:
     return text
 
 
-def _call_text(fn: str, args: tuple) -> str:
+def call_text(fn: str, args: tuple) -> str:
+    """The call ``fn(*args)`` as source text (the form instructions and hidden cases use)."""
     return f"{fn}({', '.join(_literal(a) for a in args)})"
 
 
@@ -52,7 +54,8 @@ def _inputs(rng: random.Random, t: Template, want: int) -> list[tuple]:
     return list(seen.values())
 
 
-def _outcome_text(result: tuple[str, object]) -> str:
+def outcome_text(result: tuple[str, object]) -> str:
+    """What a call did, as an instruction says it (``returns 3``, ``raises ValueError: ..``)."""
     kind, value = result
     return f"raises {value}" if kind == "raise" else f"returns {value!r}"
 
@@ -64,7 +67,136 @@ def hidden_case(test_id: str, imports: str, expr: str, expected: object) -> Hidd
 
 
 def _test_method(fn: str, i: int, args: tuple, expected: object) -> str:
-    return f"    def test_{fn}_{i}(self):\n        self.assertEqual({_call_text(fn, args)}, {_literal(expected)})\n"
+    return f"    def test_{fn}_{i}(self):\n        self.assertEqual({call_text(fn, args)}, {_literal(expected)})\n"
+
+
+@dataclass(frozen=True)
+class Bug:
+    """One injected bug, checked: ``f2p`` are (args, expected) the mutant gets wrong, ``p2p``
+    the ones it still gets right, and ``example`` (args, expected, what the mutant does) is
+    the failing call an instruction shows."""
+
+    kind: str
+    mutation: mutate.Mutation
+    target: Template
+    buggy_src: str
+    f2p: list[tuple[tuple, object]]
+    p2p: list[tuple[tuple, object]]
+    example: tuple[tuple, object, tuple[str, object]]
+
+
+def inject_bug(
+    rng: random.Random, target: Template, kind: str, hidden_per_function: int
+) -> Bug | None:
+    """A seeded bug of ``kind`` in ``target``, or None when none that a test can see was drawn.
+
+    A mutant is kept only if some valid input shows the bug and none exceeds the line budget
+    (a probable infinite loop would make grading slow rather than wrong).
+    """
+    cands = mutate.candidates(target.source, target.name, kind)
+    if not cands:
+        return None
+    m = mutate.pick(rng, cands)
+    try:
+        buggy_src = mutate.apply(target.source, m)
+    except SyntaxError:
+        return None
+    ref = execute.load(target.source, target.name)
+    bug = execute.load(buggy_src, target.name)
+    f2p: list[tuple[tuple, object]] = []
+    p2p: list[tuple[tuple, object]] = []
+    example = None
+    for args in _inputs(rng, target, hidden_per_function * 2):
+        want = execute.call(ref, target.name, args)
+        if want[0] != "ok":
+            continue
+        got = execute.call(bug, target.name, args)
+        if got[0] == "budget":
+            return None
+        if execute.same(want, got):
+            p2p.append((args, want[1]))
+        else:
+            f2p.append((args, want[1]))
+            example = example or (args, want[1], got)
+    if not f2p or example is None:
+        return None
+    return Bug(kind, m, target, buggy_src, f2p, p2p, example)
+
+
+class ModuleTests:
+    """The tests of one generated module, drawn in a fixed order: its visible unittest file,
+    and hidden cases for each of its functions (the visible tests are mirrored as hidden
+    cases too, so editing the test file cannot change the verdict)."""
+
+    def __init__(self, module: str, functions: Sequence[str]) -> None:
+        self.module = module
+        self.cls = f"Test{module.capitalize()}"
+        self.path = f"tests/test_{module}.py"
+        self.cases: list[HiddenCase] = []
+        self.f2p: list[str] = []
+        self.p2p: list[str] = []
+        self.vis: list[str] = []
+        self._visible = [
+            "import unittest\n",
+            f"from {module} import {', '.join(sorted(functions))}\n\n",
+            f"\nclass {self.cls}(unittest.TestCase):\n",
+        ]
+
+    def _case(self, test_id: str, fn: str, args: tuple, expected: object) -> None:
+        imports = f"from {self.module} import {fn}"
+        self.cases.append(hidden_case(test_id, imports, call_text(fn, args), expected))
+
+    def _hidden(self, ids: list[str], fn: str, i: int, args: tuple, expected: object) -> None:
+        ids.append(f"tests.test_hidden.HiddenTests.test_{fn}_{i}")
+        self._case(ids[-1], fn, args, expected)
+
+    def _shown(self, fn: str, i: int, args: tuple, expected: object) -> None:
+        self._visible.append(_test_method(fn, i, args, expected))
+        self.vis.append(f"tests.test_{self.module}.{self.cls}.test_{fn}_{i}")
+        self._case(self.vis[-1], fn, args, expected)
+
+    def bug_hidden(self, bug: Bug, hidden_per_function: int) -> int:
+        """Hidden tests of the buggy function: up to ``hidden_per_function`` that show the bug,
+        topped up with ones that pass anyway; returns the next case number."""
+        case = 0
+        name = bug.target.name
+        for args, expected in bug.f2p[:hidden_per_function]:
+            self._hidden(self.f2p, name, case, args, expected)
+            case += 1
+        for args, expected in bug.p2p[: max(2, hidden_per_function - len(bug.f2p))]:
+            self._hidden(self.p2p, name, case, args, expected)
+            case += 1
+        return case
+
+    def correct_function(self, rng: random.Random, t: Template) -> None:
+        """Two visible tests and one hidden test of a function without a bug."""
+        ref = execute.load(t.source, t.name)
+        for i, args in enumerate(_inputs(rng, t, 3)):
+            res = execute.call(ref, t.name, args)
+            if res[0] != "ok":
+                continue
+            if i < 2:
+                self._shown(t.name, i, args, res[1])
+            else:
+                self._hidden(self.p2p, t.name, i, args, res[1])
+
+    def bug_shown(self, bug: Bug, hidden_per_function: int, case: int) -> None:
+        """Visible tests of the buggy function that pass before the fix: the ones the hidden
+        set left over, else one it holds too (a module alone with its buggy function still
+        has one)."""
+        shown = bug.p2p[max(2, hidden_per_function - len(bug.f2p)) :][:2] or bug.p2p[-1:]
+        for args, expected in shown:
+            self._shown(bug.target.name, case, args, expected)
+            case += 1
+
+    def text(self) -> str:
+        """The visible test file (a class with no test is still valid Python)."""
+        return "".join(self._visible) + ("" if self.vis else "    pass\n")
+
+
+def module_source(module: str, functions: Sequence[str]) -> str:
+    """A generated module: a docstring, then the functions' sources."""
+    return f'"""{module}: small utility functions."""\n\n\n' + "\n\n".join(functions)
 
 
 def generate_task(
@@ -88,51 +220,12 @@ def generate_task(
     for attempt in range(400):
         kind = kinds[(index + attempt // 40) % len(kinds)]
         target = rng.choice(pool)
-        cands = mutate.candidates(target.source, target.name, kind)
-        if not cands:
-            continue
-        m = mutate.pick(rng, cands)
-        try:
-            buggy_src = mutate.apply(target.source, m)
-        except SyntaxError:
-            continue
-        ref = execute.load(target.source, target.name)
-        bug = execute.load(buggy_src, target.name)
-        f2p: list[tuple[tuple, object]] = []
-        p2p: list[tuple[tuple, object]] = []
-        example = None
-        rejected = False
-        for args in _inputs(rng, target, hidden_per_function * 2):
-            want = execute.call(ref, target.name, args)
-            if want[0] != "ok":
-                continue
-            got = execute.call(bug, target.name, args)
-            if got[0] == "budget":
-                rejected = True
-                break
-            if execute.same(want, got):
-                p2p.append((args, want[1]))
-            else:
-                f2p.append((args, want[1]))
-                example = example or (args, want[1], got)
-        if rejected or not f2p or example is None:
+        bug = inject_bug(rng, target, kind, hidden_per_function)
+        if bug is None:
             continue
         try:
             return _assemble(
-                rng,
-                seed,
-                index,
-                kind,
-                m,
-                target,
-                buggy_src,
-                f2p,
-                p2p,
-                example,
-                functions_per_repo,
-                hidden_per_function,
-                pool,
-                names,
+                rng, seed, index, bug, functions_per_repo, hidden_per_function, pool, names
             )
         except ValueError:
             continue
@@ -143,100 +236,50 @@ def _assemble(
     rng: random.Random,
     seed: int,
     index: int,
-    kind: str,
-    m: mutate.Mutation,
-    target: Template,
-    buggy_src: str,
-    f2p: list[tuple[tuple, object]],
-    p2p: list[tuple[tuple, object]],
-    example: tuple[tuple, object, tuple[str, object]],
+    bug: Bug,
     functions_per_repo: int,
     hidden_per_function: int,
     pool: Sequence[Template],
     modules: Sequence[str],
 ) -> Task:
+    target = bug.target
     module = rng.choice(modules)
     others = rng.sample([t for t in pool if t is not target], functions_per_repo - 1)
     order = [target, *others]
     rng.shuffle(order)
-    header = f'"""{module}: small utility functions."""\n\n\n'
-    fixed_mod = header + "\n\n".join(t.source for t in order)
-    buggy_mod = header + "\n\n".join(buggy_src if t is target else t.source for t in order)
+    fixed_mod = module_source(module, [t.source for t in order])
+    buggy_mod = module_source(module, [bug.buggy_src if t is target else t.source for t in order])
     old, new = mutate.fix_edit(fixed_mod, buggy_mod)
 
-    hidden: list[HiddenCase] = []
-
-    def add_case(test_id: str, fn: str, args: tuple, expected: object) -> None:
-        hidden.append(
-            hidden_case(test_id, f"from {module} import {fn}", _call_text(fn, args), expected)
-        )
-
-    f2p_ids: list[str] = []
-    p2p_ids: list[str] = []
-    case = 0
-    for args, expected in f2p[:hidden_per_function]:
-        f2p_ids.append(f"tests.test_hidden.HiddenTests.test_{target.name}_{case}")
-        add_case(f2p_ids[-1], target.name, args, expected)
-        case += 1
-    for args, expected in p2p[: max(2, hidden_per_function - len(f2p))]:
-        p2p_ids.append(f"tests.test_hidden.HiddenTests.test_{target.name}_{case}")
-        add_case(p2p_ids[-1], target.name, args, expected)
-        case += 1
-    visible = [
-        "import unittest\n",
-        f"from {module} import {', '.join(sorted(t.name for t in order))}\n\n",
-    ]
-    visible.append(f"\nclass Test{module.capitalize()}(unittest.TestCase):\n")
-    vis_ids: list[str] = []
+    tests = ModuleTests(module, [t.name for t in order])
+    case = tests.bug_hidden(bug, hidden_per_function)
     for t in others:
-        ref = execute.load(t.source, t.name)
-        for i, args in enumerate(_inputs(rng, t, 3)):
-            res = execute.call(ref, t.name, args)
-            if res[0] != "ok":
-                continue
-            method = _test_method(t.name, i, args, res[1])
-            if i < 2:
-                visible.append(method)
-                vis_ids.append(f"tests.test_{module}.Test{module.capitalize()}.test_{t.name}_{i}")
-                add_case(vis_ids[-1], t.name, args, res[1])
-            else:
-                p2p_ids.append(f"tests.test_hidden.HiddenTests.test_{t.name}_{i}")
-                add_case(p2p_ids[-1], t.name, args, res[1])
-    # Tests of the buggy function that pass before the fix: the ones the hidden set left
-    # over, else one it holds too (a repository alone with its buggy function still has one).
-    shown = p2p[max(2, hidden_per_function - len(f2p)) :][:2] or p2p[-1:]
-    for args, expected in shown:
-        visible.append(_test_method(target.name, case, args, expected))
-        vis_ids.append(f"tests.test_{module}.Test{module.capitalize()}.test_{target.name}_{case}")
-        add_case(vis_ids[-1], target.name, args, expected)
-        case += 1
-    if not vis_ids:  # every input shows the bug: a test class with no test, still valid Python
-        visible.append("    pass\n")
-    visible_path = f"tests/test_{module}.py"
-    args, expected, got = example
+        tests.correct_function(rng, t)
+    tests.bug_shown(bug, hidden_per_function, case)
+    args, expected, got = bug.example
     instruction = (
-        f"There is a bug in `{target.name}` in `{module}.py`: `{_call_text(target.name, args)}` "
-        f"{_outcome_text(got)}, but it should return {expected!r}.\n\n"
+        f"There is a bug in `{target.name}` in `{module}.py`: `{call_text(target.name, args)}` "
+        f"{outcome_text(got)}, but it should return {expected!r}.\n\n"
         f"Fix `{module}.py` so that `{target.name}` does what its docstring says for every input, "
         "not only this one. Run the visible tests with run_tests, then submit."
     )
     return Task(
         id=f"gen-{seed}-{index}",
         instruction=instruction,
-        files={f"{module}.py": buggy_mod, "tests/__init__.py": "", visible_path: "".join(visible)},
+        files={f"{module}.py": buggy_mod, "tests/__init__.py": "", tests.path: tests.text()},
         hidden_tests=HiddenTests(
-            fail_to_pass=tuple(f2p_ids),
-            pass_to_pass=tuple(p2p_ids + vis_ids),
-            reset_paths=(visible_path, "tests/__init__.py"),
-            cases=tuple(hidden),
+            fail_to_pass=tuple(tests.f2p),
+            pass_to_pass=tuple(tests.p2p + tests.vis),
+            reset_paths=(tests.path, "tests/__init__.py"),
+            cases=tuple(tests.cases),
         ),
-        visible_test_command=_VISIBLE_CMD,
+        visible_test_command=VISIBLE_CMD,
         reference_edits=(ReferenceEdit(f"{module}.py", old, new),),
         metadata={
             "source": "generated",
-            "bug_kind": kind,
+            "bug_kind": bug.kind,
             "function": target.name,
-            "mutation": m.description,
+            "mutation": bug.mutation.description,
             "seed": str(seed),
             "index": str(index),
         },
