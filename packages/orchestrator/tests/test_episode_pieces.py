@@ -154,6 +154,11 @@ def test_bad_rl_config_names_the_field() -> None:
         ({"functions": ["gcd", "nope"]}, "functions: unknown"),
         ({"functions": ["gcd"], "functions_per_repo": 2}, "functions_per_repo"),
         ({"modules": ["a b"]}, "modules"),
+        ({"family": "multibug", "buggy_modules": 2}, "buggy_modules"),
+        ({"family": "multibug", "repo_modules": 30}, "repo_modules"),
+        ({"family": "multibug", "functions_per_repo": 0}, "functions_per_repo"),
+        ({"family": "multibug", "functions": ["gcd"]}, "functions"),
+        ({"family": "multibug", "kinds": ["no_such_kind"]}, "kinds"),
     ],
 )
 def test_bad_task_family_names_the_field(kwargs: dict, field: str) -> None:
@@ -168,6 +173,27 @@ def test_task_source_draws_from_the_configured_family() -> None:
     tasks = TaskSource(config, seed=4).take(0, 8)
     assert {t.metadata["function"] for t in tasks} <= {"gcd", "digit_sum"}
     assert all("numkit.py" in t.files for t in tasks)
+
+
+def test_task_source_draws_multibug_repositories() -> None:
+    from tandem.agent_env import generate_multibug_tasks
+    from tandem.orchestrator.rollout.tasks import TaskSource
+
+    config = TaskConfig(family="multibug", repo_modules=5, buggy_modules=3, functions_per_repo=2)
+    tasks = TaskSource(config, seed=4, offset=2).take(0, 2)
+    expected = generate_multibug_tasks(
+        4,
+        2,
+        start=2,
+        modules=5,
+        buggy=3,
+        functions_per_module=2,
+        kinds=config.kinds,
+        hidden_per_function=config.hidden_per_function,
+    )
+    assert [t.id for t in tasks] == [t.id for t in expected] == ["multibug-4-2", "multibug-4-3"]
+    assert tasks == expected
+    assert all(len(t.reference_edits) == 3 for t in tasks)
 
 
 def test_minimal_edit_makes_the_same_change_with_less_to_copy() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.agent_env import generate_tasks
+from tandem.agent_env import generate_multibug_tasks, generate_tasks
 from tandem.orchestrator.eval.passk import EvalResult, by_category, paired_difference, summarize
 from tandem.orchestrator.rollout.tasks import task_category
 from tandem.orchestrator.wire import Sample
@@ -64,6 +64,11 @@ def test_task_category_reads_function_and_bug_kind() -> None:
     for t in tasks:
         assert task_category(t) == f"gcd/{t.metadata['bug_kind']}"
     assert task_category(tasks[0], ("function", "no_such_field")) == "gcd/?"
+
+
+def test_a_multibug_task_is_one_category_per_bug_count() -> None:
+    task = generate_multibug_tasks(5, 1, modules=4, buggy=3)[0]
+    assert task_category(task) == "multibug/3"
 
 
 def _scored(solved: list[list[int]]) -> EvalResult:

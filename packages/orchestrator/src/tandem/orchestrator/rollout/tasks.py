@@ -1,4 +1,5 @@
-"""Task sources: generated bug-fix tasks addressed by a cursor, so a resumed run continues.
+"""Task sources: generated bug-fix tasks (one bug, or the multi-bug family) addressed by a
+cursor, so a resumed run continues.
 
 Task ``i`` of a seed depends only on (seed, i) (agent-env's contract), so the cursor alone
 says which tasks a run has used; training and held-out sets are different seeds.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from tandem.agent_env import Task, generate_tasks
+from tandem.agent_env import Task, generate_multibug_tasks, generate_tasks
 from tandem.orchestrator.config import CATEGORY_KEYS, TaskConfig
 
 
@@ -24,6 +25,17 @@ class TaskSource:
 
     def _generate(self, index: int) -> Task:
         c = self.config
+        if c.family == "multibug":
+            return generate_multibug_tasks(
+                self.seed,
+                1,
+                start=index,
+                modules=c.repo_modules,
+                buggy=c.buggy_modules,
+                functions_per_module=c.functions_per_repo,
+                kinds=tuple(c.kinds),
+                hidden_per_function=c.hidden_per_function,
+            )[0]
         return generate_tasks(
             self.seed,
             1,
@@ -44,5 +56,9 @@ class TaskSource:
 
 def task_category(task: Task, keys: Sequence[str] = CATEGORY_KEYS) -> str:
     """The values of the metadata fields ``keys``, joined by ``/`` (``?`` where a task has
-    none): a category that scores and the curriculum break results down by."""
+    none): a category that scores and the curriculum break results down by. A task with
+    none of them (a multi-bug repository has several functions and kinds) is one category
+    per source and bug count, e.g. ``multibug/4``."""
+    if not any(k in task.metadata for k in keys) and "source" in task.metadata:
+        return "/".join(task.metadata[k] for k in ("source", "buggy") if k in task.metadata)
     return "/".join(task.metadata.get(k, "?") for k in keys)
