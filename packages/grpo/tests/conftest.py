@@ -11,11 +11,22 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="session")
-def tiny() -> ModuleType:
-    """The tiny_policy helper module (loaded by path: tests are not a package)."""
-    spec = importlib.util.spec_from_file_location("grpo_tiny_policy", HERE / "tiny_policy.py")
+def _load(name: str) -> ModuleType:
+    """A helper module of this folder, loaded by path (tests are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"grpo_{name}", HERE / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def tiny() -> ModuleType:
+    """The tiny_policy helper module."""
+    return _load("tiny_policy")
+
+
+@pytest.fixture(scope="session")
+def chains() -> ModuleType:
+    """The segment_chains helper module: episodes cut into segments, a bigram policy."""
+    return _load("segment_chains")

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from tandem.grpo.importance import importance_weights
     from tandem.grpo.kl import forward_kl, kl_estimate, kl_penalized_rewards
     from tandem.grpo.loss import policy_loss, policy_ratio
+    from tandem.grpo.segments import episode_loss_tokens
     from tandem.grpo.trainer import GRPOStep
 
 __version__ = _version("tandem-grpo")
@@ -44,6 +45,7 @@ _HOME = {
     "RolloutBatch": "batch",
     "aggregate": "aggregation",
     "causal_lm_forward": "batch",
+    "episode_loss_tokens": "segments",
     "group_advantages": "advantages",
     "importance_weights": "importance",
     "forward_kl": "kl",
@@ -68,6 +70,7 @@ __all__ = [
     "__version__",
     "aggregate",
     "causal_lm_forward",
+    "episode_loss_tokens",
     "failed_groups",
     "forward_kl",
     "group_advantages",

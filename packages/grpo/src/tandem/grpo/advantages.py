@@ -9,6 +9,10 @@ Documented edge cases: a group whose rewards are all equal gets advantage 0 in e
 (the std division sees 0/(0+eps)), except that `batch_advantages` gives a group whose rewards
 are all 0 or below ``failed_group_advantage`` when that is set; a group of one sample gets
 advantage 0 (no baseline exists); non-finite rewards are rejected.
+
+Segment chains (``episode_ids``, see `tandem.grpo.segments`): the statistics run over
+*episodes*, one reward each, so an episode summarised into three segments does not count
+three times in its group's mean, std or size; every segment then gets its episode's value.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import torch
 from tandem.grpo.batch import RolloutBatch
 from tandem.grpo.config import GRPOConfig
 from tandem.grpo.errors import GRPOError
-from tandem.grpo.kl import kl_penalized_rewards
+from tandem.grpo.kl import trajectory_kl
 from tandem.grpo.numerics import as_float
+from tandem.grpo.segments import Episodes, check_segments
 
 
 def group_index(
@@ -58,6 +63,25 @@ def _group_sums(values: torch.Tensor, index: torch.Tensor, num_groups: int) -> t
     )
 
 
+def _episode_view(
+    rewards: torch.Tensor,
+    group_size: int | None,
+    group_ids: torch.Tensor | None,
+    episode_ids: torch.Tensor,
+) -> tuple[Episodes, torch.Tensor, torch.Tensor]:
+    """The rows' episodes, with one reward and one group id per episode (the segments of an
+    episode are checked to agree on both)."""
+    if group_ids is None or group_size is not None:
+        raise GRPOError(
+            "episode_ids= needs group_ids= (group_size= would count rows, not episodes)"
+        )
+    if rewards.dim() != 1:
+        raise GRPOError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
+    group_index(rewards.numel(), group_ids=group_ids)  # shape and dtype checks
+    episodes = check_segments(episode_ids, group_ids, rewards)
+    return episodes, episodes.gather(rewards), episodes.gather(group_ids)
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,
@@ -65,13 +89,28 @@ def group_advantages(
     std_normalize: bool = False,
     leave_one_out: bool = False,
     eps: float = 1e-6,
+    episode_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sample advantages [N] (float32, or float64 for float64 rewards) from rewards [N] grouped by prompt.
 
     - default (Dr. GRPO): ``r_i - mean(group)``
     - ``leave_one_out`` (RLOO): ``r_i - mean(group without i)`` = ``G/(G-1) (r_i - mean)``
     - ``std_normalize`` (GRPO): the above divided by ``std(group) + eps`` (unbiased std)
+
+    ``episode_ids`` [N] (with ``group_ids``): rows sharing an id are segments of one episode
+    and must share its reward and group; the group statistics count episodes, not rows, and
+    each segment gets its episode's advantage.
     """
+    if episode_ids is not None:
+        episodes, ep_rewards, ep_groups = _episode_view(rewards, group_size, group_ids, episode_ids)
+        adv = group_advantages(
+            ep_rewards,
+            group_ids=ep_groups,
+            std_normalize=std_normalize,
+            leave_one_out=leave_one_out,
+            eps=eps,
+        )
+        return episodes.spread(adv)
     if rewards.dim() != 1:
         raise GRPOError(f"rewards must be 1-D [num_samples], got shape {tuple(rewards.shape)}")
     rewards = rewards.detach()
@@ -114,8 +153,14 @@ def nonconstant_groups(
     rewards: torch.Tensor,
     group_size: int | None = None,
     group_ids: torch.Tensor | None = None,
+    episode_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bool [N]: True for samples whose group's rewards are not all equal (DAPO dynamic sampling)."""
+    """Bool [N]: True for samples whose group's rewards are not all equal (DAPO dynamic sampling).
+
+    ``episode_ids``: as in `group_advantages` (one reward per episode)."""
+    if episode_ids is not None:
+        episodes, ep_rewards, ep_groups = _episode_view(rewards, group_size, group_ids, episode_ids)
+        return episodes.spread(nonconstant_groups(ep_rewards, group_ids=ep_groups))
     low, high, _ = _group_range(rewards, group_size, group_ids)
     return high > low
 
@@ -124,27 +169,40 @@ def failed_groups(
     rewards: torch.Tensor,
     group_size: int | None = None,
     group_ids: torch.Tensor | None = None,
+    episode_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bool [N]: True for samples of a group of two or more in which every reward is <= 0."""
+    """Bool [N]: True for samples of a group of two or more in which every reward is <= 0.
+
+    ``episode_ids``: as in `group_advantages`; "two or more" counts episodes, not segments."""
+    if episode_ids is not None:
+        episodes, ep_rewards, ep_groups = _episode_view(rewards, group_size, group_ids, episode_ids)
+        return episodes.spread(failed_groups(ep_rewards, group_ids=ep_groups))
     _, high, size = _group_range(rewards, group_size, group_ids)
     return (high <= 0) & (size >= 2)
 
 
-def trained_groups(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+def trained_groups(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    cfg: GRPOConfig,
+    episode_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Bool [N]: the samples a step trains on: all, or (with ``skip_equal_reward_groups``)
     those of groups whose rewards differ, plus all-failed groups when they carry
-    ``failed_group_advantage``."""
+    ``failed_group_advantage``. Whole groups are kept or dropped, so an episode's segments
+    are too."""
     if not cfg.skip_equal_reward_groups:
         return torch.ones_like(rewards, dtype=torch.bool)
-    keep = nonconstant_groups(rewards, group_ids=group_ids)
+    keep = nonconstant_groups(rewards, group_ids=group_ids, episode_ids=episode_ids)
     if cfg.failed_group_advantage:
-        keep = keep | failed_groups(rewards, group_ids=group_ids)
+        keep = keep | failed_groups(rewards, group_ids=group_ids, episode_ids=episode_ids)
     return keep
 
 
 def batch_advantages(batch: RolloutBatch, cfg: GRPOConfig) -> torch.Tensor:
     """Advantages [B] of a step's batch: given ones, or group advantages of its rewards
-    (minus the KL penalty when it is placed in the reward)."""
+    (minus the KL penalty when it is placed in the reward), per episode when the batch has
+    ``episode_ids`` (an episode's KL penalty is the sum over all its segments' tokens)."""
     if batch.advantages is not None:
         adv = as_float(batch.advantages)
     else:
@@ -152,24 +210,29 @@ def batch_advantages(batch: RolloutBatch, cfg: GRPOConfig) -> torch.Tensor:
         if cfg.kl_coef > 0 and cfg.kl_placement == "reward":
             if batch.ref_logprobs is None:
                 raise GRPOError("kl_placement='reward' with kl_coef > 0 needs ref_logprobs")
-            rewards = kl_penalized_rewards(
-                rewards,
+            kl = trajectory_kl(
                 batch.rollout_logprobs,
                 batch.ref_logprobs,
                 batch.loss_mask,
-                cfg.kl_coef,
                 cfg.kl_estimator,
                 cfg.log_ratio_clamp,
             )
+            if batch.episode_ids is not None:  # the episode's penalty, on each of its segments
+                episodes = Episodes.of(batch.episode_ids, batch.num_sequences, kl.device)
+                kl = episodes.spread(episodes.sums(kl))
+            rewards = rewards - cfg.kl_coef * kl
         adv = group_advantages(
             rewards,
             group_ids=batch.group_ids,
             std_normalize=cfg.std_normalize,
             leave_one_out=cfg.leave_one_out,
             eps=cfg.std_eps,
+            episode_ids=batch.episode_ids,
         )
         if cfg.failed_group_advantage:
-            failed = failed_groups(as_float(batch.rewards), group_ids=batch.group_ids)
+            failed = failed_groups(
+                as_float(batch.rewards), group_ids=batch.group_ids, episode_ids=batch.episode_ids
+            )
             adv = torch.where(failed, torch.full_like(adv, cfg.failed_group_advantage), adv)
     if not torch.isfinite(adv).all():
         raise GRPOError("advantages contain inf/NaN; check rewards and batch.advantages")

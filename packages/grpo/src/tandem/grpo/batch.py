@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from tandem.grpo.errors import GRPOError
 from tandem.grpo.numerics import as_float
+from tandem.grpo.segments import check_segments
 
 
 @dataclass
@@ -47,6 +48,11 @@ class RolloutBatch:
         extras: tensors with a leading batch dimension B that the forward hook needs (e.g.
             a padded routing trace [B, T, layers, top_k] for router replay). They are sliced
             along dim 0 with the rows; anything else in here is passed through untouched.
+        episode_ids: [B] optional int64 episode of each row. Rows sharing an id are the
+            segments of one episode that was summarised into fresh contexts (see
+            `tandem.grpo.segments`): they must share its group id and reward, get its
+            advantage, and count as one sequence in the loss aggregation. None: every row is
+            its own episode.
     """
 
     input_ids: torch.Tensor
@@ -60,6 +66,7 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    episode_ids: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -101,6 +108,8 @@ class RolloutBatch:
                 raise GRPOError(
                     f"extras[{name!r}] has leading dimension {value.shape[0]}, expected {b}"
                 )
+        if self.episode_ids is not None:
+            check_segments(self.episode_ids, self.group_ids, self.rewards, self.advantages)
 
     def select(self, rows: torch.Tensor | slice) -> RolloutBatch:
         """The sub-batch of the given rows (an index tensor, a bool mask or a slice)."""
@@ -129,7 +138,8 @@ def shard_by_group(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBa
     """The rows of ``batch`` that process ``rank`` of ``world_size`` trains on.
 
     Whole groups are dealt round-robin in order of first appearance, so each process can
-    compute group advantages locally and the union of the shards is the batch.
+    compute group advantages locally and the union of the shards is the batch. The segments
+    of an episode share its group (`RolloutBatch.validate`), so they stay on one process.
     """
     if not 0 <= rank < world_size:
         raise GRPOError(f"rank {rank} is not in [0, {world_size})")

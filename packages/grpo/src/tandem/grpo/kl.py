@@ -69,6 +69,20 @@ def kl_penalized_rewards(
 
     ``logprobs`` are the sampling policy's (the rollout's); the penalty carries no gradient.
     """
+    kl = trajectory_kl(logprobs, ref_logprobs, mask, estimator, clamp)
+    with torch.no_grad():
+        return as_float(rewards) - coef * kl
+
+
+def trajectory_kl(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: KLEstimator = "k1",
+    clamp: float = 20.0,
+) -> torch.Tensor:
+    """``sum_t kl_t`` [B] over each row's loss tokens, without gradient: the penalty
+    `kl_penalized_rewards` charges (summed over an episode's segments when rows are those)."""
     with torch.no_grad():
         kl = kl_estimate(as_float(logprobs), as_float(ref_logprobs), mask, estimator, clamp)
-        return as_float(rewards) - coef * masked_sum(kl, mask.bool(), dim=1)
+        return masked_sum(kl, mask.bool(), dim=1)

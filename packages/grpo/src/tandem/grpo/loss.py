@@ -17,6 +17,11 @@ are finite for any input, including -inf log-probs and fully masked rows. Docume
 behaviour: a token whose log-prob (or log ratio) is non-finite or beyond the clamp contributes
 a finite value and zero gradient; a fully masked row contributes nothing; a sequence whose
 advantage is 0 (e.g. an all-equal group) contributes only its KL/entropy terms.
+
+Segment chains: ``episode_ids`` / ``seq_tokens`` make the sequence aggregations treat an
+episode's segments as one sequence (see `aggregation`). Ratios and importance weights stay
+per row: a GSPO sequence ratio (``ratio_level='sequence'``) and the sequence IS modes are
+taken over each segment, because an episode's other segments may be in another micro-batch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from tandem.grpo.config import GRPOConfig, RatioLevel
 from tandem.grpo.errors import GRPOError
 from tandem.grpo.kl import kl_estimate
 from tandem.grpo.numerics import as_float, check_token_tensors, masked_sum, safe_log_ratio
+from tandem.grpo.segments import episode_loss_tokens
 
 
 def policy_ratio(
@@ -62,6 +68,8 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     normalizer: LossNormalizer | None = None,
     kl: torch.Tensor | None = None,
+    episode_ids: torch.Tensor | None = None,
+    seq_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss to minimise and detached metrics (token means over ``mask``).
 
@@ -78,6 +86,12 @@ def policy_loss(
         kl: [B, T] the exact per-token KL to the reference that the forward hook computed;
             needed with ``kl_estimator='forward'`` and ``kl_coef > 0`` (``ref_logprobs`` is
             then not used).
+        episode_ids: [B] rows sharing an id are segments of one episode, one sequence in the
+            aggregation; used to count ``normalizer`` and ``seq_tokens`` on this batch alone
+            when they are not given.
+        seq_tokens: [B] the loss tokens of each row's sequence (its whole episode's for a
+            segment), the ``seq-mean-token-mean`` denominator; pass the global batch's
+            (`episode_loss_tokens`) for a micro-batch that may hold only part of an episode.
 
     Metrics: ``loss``, ``pg_loss``, ``clip_frac`` (tokens whose clipped branch is active, so
     their gradient is zero), ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``,
@@ -101,7 +115,9 @@ def policy_loss(
             f"got {tuple(advantages.shape)}"
         )
     adv = as_float(advantages.detach()).expand(mask.shape)
-    normalizer = normalizer or LossNormalizer.from_mask(mask)
+    normalizer = normalizer or LossNormalizer.from_mask(mask, episode_ids)
+    if seq_tokens is None and episode_ids is not None:
+        seq_tokens = episode_loss_tokens(mask, episode_ids)
 
     ratio = policy_ratio(logprobs, old_logprobs, mask, config)
     low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
@@ -146,7 +162,7 @@ def policy_loss(
         per_token = per_token - config.entropy_coef * as_float(entropy)
 
     def agg(values: torch.Tensor) -> torch.Tensor:
-        return aggregate(values, mask, config.loss_agg, normalizer, config.max_tokens)
+        return aggregate(values, mask, config.loss_agg, normalizer, config.max_tokens, seq_tokens)
 
     loss = agg(per_token)
     n = mask.sum().clamp(min=1).float()

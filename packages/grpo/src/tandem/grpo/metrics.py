@@ -92,9 +92,14 @@ def step_metrics(
     all_seqs: float,
     applied: tuple[float, bool] | None,
     lr: float,
+    episodes: float | None = None,
 ) -> dict[str, float]:
     """A step's metrics from its reduced sums and maxima: token means over the global batch,
-    the importance weights' effective sample size, and the step's own figures."""
+    the importance weights' effective sample size, and the step's own figures.
+
+    ``all_seqs`` counts rows (staleness is per row: an episode's segments may come from
+    different policy versions), ``episodes`` the episodes (default: rows), which the reward
+    and advantage means and ``sequences`` count once each however many segments they have."""
     n = max(raw["tokens"], 1.0)
     metrics = {"loss": raw["loss"], "pg_loss": raw["pg_loss"]}
     metrics.update({name: raw[name] / n for name in TOKEN_MEANS})
@@ -110,7 +115,7 @@ def step_metrics(
         sequences=normalizer.total_sequences,
         groups=groups,
         groups_kept=groups_kept,
-        reward_mean=raw["reward_sum"] / max(all_seqs, 1.0),
+        reward_mean=raw["reward_sum"] / max(all_seqs if episodes is None else episodes, 1.0),
         advantage_abs_mean=raw["adv_abs_sum"] / max(normalizer.total_sequences, 1.0),
         staleness_mean=raw["staleness_sum"] / max(all_seqs, 1.0),
     )

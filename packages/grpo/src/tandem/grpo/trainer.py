@@ -30,7 +30,7 @@ import functools
 import math
 import warnings
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -52,9 +52,23 @@ from tandem.grpo.kl import kl_estimate
 from tandem.grpo.loss import policy_loss
 from tandem.grpo.metrics import LOSS_TOKEN_MEANS, MAXED, SUMMED, MetricSums, step_metrics
 from tandem.grpo.numerics import as_float
+from tandem.grpo.segments import step_episodes
 from tandem.grpo.sharded_norm import clip_sharded_grads
 
 log = structlog.get_logger()
+
+
+class _RowTerms(NamedTuple):
+    """Per-row inputs of the micro-batches, sliced with their rows: advantages, each row's
+    episode's loss tokens (None: the row's own) and the rows counted once per episode in
+    per-episode metrics (None: every row)."""
+
+    adv: torch.Tensor
+    seq_tokens: torch.Tensor | None
+    counted: torch.Tensor | None
+
+    def select(self, rows: torch.Tensor) -> _RowTerms:
+        return _RowTerms(*(None if t is None else t[rows] for t in self))
 
 
 class GRPOStep:
@@ -186,25 +200,31 @@ class GRPOStep:
             raise GRPOError("empty batch: every process needs at least one trajectory")
         batch = batch.to(self.device)
         adv = batch_advantages(batch, self.config)
-        keep = trained_groups(batch.rewards, batch.group_ids, cfg)
+        keep = trained_groups(batch.rewards, batch.group_ids, cfg, batch.episode_ids)
         mask = batch.loss_mask
         kept_mask = mask & keep[:, None]
+        # sequences are episodes: rows sharing an episode id (segments) count once
+        ep = step_episodes(kept_mask, keep, batch.rewards, batch.episode_ids)
 
         counts = torch.stack(
             [
                 kept_mask.sum(),
-                kept_mask.any(1).sum(),
-                keep.sum(),
+                ep.with_tokens,
+                ep.kept,
                 torch.unique(batch.group_ids).numel() * torch.ones((), device=self.device),
                 torch.unique(batch.group_ids[keep]).numel() * torch.ones((), device=self.device),
                 torch.tensor(batch.num_sequences, device=self.device),
+                ep.total,
             ]
         ).double()
-        tokens, seqs, total_seqs, groups, groups_kept, all_seqs = self._sum(counts).tolist()
+        tokens, seqs, total_seqs, groups, groups_kept, all_seqs, episodes = self._sum(
+            counts
+        ).tolist()
         normalizer = LossNormalizer(tokens=tokens, sequences=seqs, total_sequences=total_seqs)
+        rows = _RowTerms(adv, ep.seq_tokens, ep.counted)
 
         sums = MetricSums(self.device)
-        sums.add("reward_sum", batch.rewards.double().sum())
+        sums.add("reward_sum", ep.rewards.double().sum())
         if version is None:
             version = int(self._max(batch.policy_version.max().double()))
         staleness = (version - batch.policy_version).double()
@@ -219,25 +239,26 @@ class GRPOStep:
                 groups=int(groups),
                 policy_version=version,
             )
-            return self._finish(sums, normalizer, groups, groups_kept, all_seqs, None)
+            return self._finish(sums, normalizer, groups, groups_kept, all_seqs, episodes, None)
 
         if shards > 1:
-            applied = self._step_as_shards(batch, adv, keep, normalizer, sums, shards)
-            return self._finish(sums, normalizer, groups, groups_kept, all_seqs, applied)
-        rows = keep.nonzero().flatten()
-        zero_weight = rows.numel() == 0
+            applied = self._step_as_shards(batch, rows, keep, normalizer, sums, shards)
+            return self._finish(sums, normalizer, groups, groups_kept, all_seqs, episodes, applied)
+        kept_rows = keep.nonzero().flatten()
+        zero_weight = kept_rows.numel() == 0
         if zero_weight:  # this process still joins the gradient all-reduce, with zero loss
-            rows = torch.zeros(1, dtype=torch.long, device=self.device)
-        chunks = list(rows.split(cfg.micro_batch_size))
+            kept_rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        chunks = list(kept_rows.split(cfg.micro_batch_size))
         scales = [0.0 if zero_weight else float(acc.num_processes)] * len(chunks)
         if self.fsdp and self._distributed:  # as many (collective) passes as the busiest rank
             most = int(self._max(torch.tensor(float(len(chunks)), device=self.device)))
             scales += [0.0] * (most - len(chunks))
-            chunks += [rows[:1]] * (most - len(chunks))
+            chunks += [kept_rows[:1]] * (most - len(chunks))
         for i, (chunk, scale) in enumerate(zip(chunks, scales, strict=True)):
             with self._no_sync(last=i == len(chunks) - 1):
-                self._micro_step(batch.select(chunk), adv[chunk], normalizer, scale, sums)
-        return self._finish(sums, normalizer, groups, groups_kept, all_seqs, self._apply())
+                self._micro_step(batch.select(chunk), rows.select(chunk), normalizer, scale, sums)
+        applied = self._apply()
+        return self._finish(sums, normalizer, groups, groups_kept, all_seqs, episodes, applied)
 
     def _no_sync(self, *, last: bool) -> Any:
         """Gradients are reduced over processes only on the last micro-batch."""
@@ -250,7 +271,7 @@ class GRPOStep:
     def _step_as_shards(
         self,
         batch: RolloutBatch,
-        adv: torch.Tensor,
+        rows: _RowTerms,
         keep: torch.Tensor,
         normalizer: LossNormalizer,
         sums: MetricSums,
@@ -261,12 +282,12 @@ class GRPOStep:
         params = list(self.model.parameters())
         total: list[torch.Tensor | None] = [None] * len(params)
         for rank in range(shards):
-            rows = ((owners == rank) & keep).nonzero().flatten()
-            if rows.numel() == 0:
+            mine = ((owners == rank) & keep).nonzero().flatten()
+            if mine.numel() == 0:
                 continue  # that process would add zeros
             self.optimizer.zero_grad(set_to_none=True)
-            for chunk in rows.split(self.config.micro_batch_size):
-                self._micro_step(batch.select(chunk), adv[chunk], normalizer, 1.0, sums)
+            for chunk in mine.split(self.config.micro_batch_size):
+                self._micro_step(batch.select(chunk), rows.select(chunk), normalizer, 1.0, sums)
             for i, p in enumerate(params):
                 total[i] = add_grads(total[i], p.grad)
         for p, g in zip(params, total, strict=True):
@@ -276,12 +297,13 @@ class GRPOStep:
     def _micro_step(
         self,
         micro: RolloutBatch,
-        adv: torch.Tensor,
+        rows: _RowTerms,
         normalizer: LossNormalizer,
         scale: float,
         sums: MetricSums,
     ) -> None:
         cfg = self.config
+        adv = rows.adv
         out = self._forward(micro)
         mask = micro.loss_mask
         old = micro.old_logprobs if micro.old_logprobs is not None else out.logprobs.detach()
@@ -305,6 +327,7 @@ class GRPOStep:
             entropy=out.entropy,
             normalizer=normalizer,
             kl=out.kl,
+            seq_tokens=rows.seq_tokens,
         )
         self.accelerator.backward(loss * scale)
         if scale == 0.0:
@@ -327,7 +350,8 @@ class GRPOStep:
             )
             sums.add("mismatch_k3", torch.where(mask, mismatch, 0.0).sum())
             sums.add("nonfinite_logprob_frac", (mask & ~torch.isfinite(out.logprobs)).sum())
-            sums.add("adv_abs_sum", adv.abs().sum())
+            counted = adv if rows.counted is None else adv[rows.counted]  # once per episode
+            sums.add("adv_abs_sum", counted.abs().sum())
 
     def _apply(self, shards: int = 1) -> tuple[float, bool]:
         """Clip, step and zero the gradients; returns (grad norm, whether the step was applied).
@@ -360,11 +384,12 @@ class GRPOStep:
         groups: float,
         groups_kept: float,
         all_seqs: float,
+        episodes: float,
         applied: tuple[float, bool] | None,
     ) -> dict[str, float]:
         raw = sums.reduce(self._sum, self._max, SUMMED, list(MAXED))
         lr = float(self.optimizer.param_groups[0]["lr"])
-        return step_metrics(raw, normalizer, groups, groups_kept, all_seqs, applied, lr)
+        return step_metrics(raw, normalizer, groups, groups_kept, all_seqs, applied, lr, episodes)
 
 
 def __getattr__(name: str) -> Any:
