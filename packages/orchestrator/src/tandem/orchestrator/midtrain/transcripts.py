@@ -163,9 +163,7 @@ class MinimalEditOracle:
         if script is None:
             script = [self._narrow(c, task) for c in oracle_script(task)]
             first_edit = next((i for i, c in enumerate(script) if c.name == "edit"), None)
-            wrong = [
-                _edit_call(path, old, new) for path, old, new in self.detours.get(task.id, [])
-            ]
+            wrong = [_edit_call(path, old, new) for path, old, new in self.detours.get(task.id, [])]
             if first_edit is not None and wrong:
                 script[first_edit:first_edit] = wrong
             self._scripts[task.id] = script
