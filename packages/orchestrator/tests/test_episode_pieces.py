@@ -223,3 +223,20 @@ def test_minimal_edit_keeps_an_ambiguous_replacement_as_it_is() -> None:
     # Widened word by word around the change until unique and at least min_chars long.
     text = "x = total + 1\ny = total - 1\n"
     assert minimal_edit(text, "x = total + 1", "x = total - 1") == ("= total + 1", "= total - 1")
+
+
+def test_multibug_oracle_transcripts_take_ten_turns_or_more(chat) -> None:
+    from tandem.agent_env import EnvConfig, generate_multibug_tasks
+    from tandem.orchestrator.midtrain.transcripts import oracle_transcripts
+
+    tasks = generate_multibug_tasks(3, 2, modules=4, buggy=3)
+    env = EnvConfig(max_turns=14, partial_credit=True, system_prompt="Fix the bugs.")
+    items = oracle_transcripts(
+        tasks, env, chat, max_observation_chars=600, max_turns=14
+    )  # skip_tools (the demo drops list_dir and run_tests) would keep 2 * buggy + 1 calls
+    assert len(items) == len(tasks)  # every oracle episode resolved its task within the budget
+    for (ids, _), task in zip(items, tasks, strict=True):
+        text = chat.tok.decode(ids, keep_special=True)
+        assert text.count("<|assistant|>") >= 10
+        for edit in task.reference_edits:
+            assert edit.path in text  # each buggy module is read and edited
