@@ -19,6 +19,7 @@ speed-up over before, and how far apart the weights end (the forward bits are eq
 gradients differ in rounding).
 
     uv run python benchmarks/expert_products.py [--policy runs/demo/midtrained] [--repeats 5]
+        [--sample-tokens 110]
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def demo_step(args: argparse.Namespace) -> None:
         if args.policy
         else build_model(cfg.model, ChatFormat().tok, seed=cfg.midtrain.init_seed)
     )
-    shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=110)
+    shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=args.sample_tokens)
     groups = make_groups(model, shape, torch.Generator().manual_seed(0))
     trainer_cfg = msgspec.structs.replace(cfg.trainer, routing_check_rows=0)
     fused = split_attention.needs_graph
@@ -160,7 +161,8 @@ def demo_step(args: argparse.Namespace) -> None:
     layers.routed_experts, split_attention.needs_graph = experts_module.routed_experts, fused
     base = statistics.median(times["before"])
     print(f"demo GRPO step ({cfg.rl.groups_per_step} groups x {cfg.rl.group_size}, "
-          f"{cfg.trainer.updates_per_step} updates), median of {args.repeats}:")  # fmt: skip
+          f"{cfg.trainer.updates_per_step} updates, {args.sample_tokens} tokens per sample "
+          f"after the shared prompt), median of {args.repeats}:")  # fmt: skip
     for side in names:
         m = statistics.median(times[side])
         print(f"  {side:>17}: {m:.3f} s, {base / m:.2f}x")
@@ -178,6 +180,12 @@ def main() -> int:
     parser.add_argument("--skew", type=float, default=0.35)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=110,
+        help="tokens of each sample after its group's shared prompt (the demo's RL: about 265)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} thread(s), busiest expert in ~{args.skew:.0%} of the tokens")
