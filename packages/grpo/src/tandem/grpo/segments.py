@@ -22,6 +22,7 @@ before the micro-batches run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -195,3 +196,16 @@ def step_episodes(
         seq_tokens=episodes.spread(episodes.sums(kept_mask.sum(1))),
         counted=episodes.first_rows(),
     )
+
+
+class RowTerms(NamedTuple):
+    """Per-row inputs of a step's micro-batches, sliced with their rows: advantages, each
+    row's episode's loss tokens (None: the row's own) and the rows counted once per episode
+    in per-episode metrics (None: every row)."""
+
+    adv: torch.Tensor
+    seq_tokens: torch.Tensor | None
+    counted: torch.Tensor | None
+
+    def select(self, rows: torch.Tensor) -> RowTerms:
+        return RowTerms(*(None if t is None else t[rows] for t in self))

@@ -30,7 +30,7 @@ import functools
 import math
 import warnings
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any
 
 import structlog
 import torch
@@ -52,23 +52,10 @@ from tandem.grpo.kl import kl_estimate
 from tandem.grpo.loss import policy_loss
 from tandem.grpo.metrics import LOSS_TOKEN_MEANS, MAXED, SUMMED, MetricSums, step_metrics
 from tandem.grpo.numerics import as_float
-from tandem.grpo.segments import step_episodes
+from tandem.grpo.segments import RowTerms, step_episodes
 from tandem.grpo.sharded_norm import clip_sharded_grads
 
 log = structlog.get_logger()
-
-
-class _RowTerms(NamedTuple):
-    """Per-row inputs of the micro-batches, sliced with their rows: advantages, each row's
-    episode's loss tokens (None: the row's own) and the rows counted once per episode in
-    per-episode metrics (None: every row)."""
-
-    adv: torch.Tensor
-    seq_tokens: torch.Tensor | None
-    counted: torch.Tensor | None
-
-    def select(self, rows: torch.Tensor) -> _RowTerms:
-        return _RowTerms(*(None if t is None else t[rows] for t in self))
 
 
 class GRPOStep:
@@ -221,7 +208,7 @@ class GRPOStep:
             counts
         ).tolist()
         normalizer = LossNormalizer(tokens=tokens, sequences=seqs, total_sequences=total_seqs)
-        rows = _RowTerms(adv, ep.seq_tokens, ep.counted)
+        rows = RowTerms(adv, ep.seq_tokens, ep.counted)
 
         sums = MetricSums(self.device)
         sums.add("reward_sum", ep.rewards.double().sum())
@@ -271,7 +258,7 @@ class GRPOStep:
     def _step_as_shards(
         self,
         batch: RolloutBatch,
-        rows: _RowTerms,
+        rows: RowTerms,
         keep: torch.Tensor,
         normalizer: LossNormalizer,
         sums: MetricSums,
@@ -297,7 +284,7 @@ class GRPOStep:
     def _micro_step(
         self,
         micro: RolloutBatch,
-        rows: _RowTerms,
+        rows: RowTerms,
         normalizer: LossNormalizer,
         scale: float,
         sums: MetricSums,
