@@ -128,17 +128,21 @@ def minimal_edit(text: str, old: str, new: str, min_chars: int = 10) -> tuple[st
 
 class MinimalEditOracle:
     """agent-env's oracle with each `edit` narrowed by `minimal_edit` (the same change), and
-    the planned `detours` (wrong edits) sent before a task's first edit."""
+    in about ``detour_fraction`` of the tasks up to ``max_detours`` wrong edits of sibling
+    tasks (`plan_detours`) sent before the task's first edit."""
 
     def __init__(
         self,
         tasks: Sequence[Task],
         min_chars: int = 10,
-        detours: dict[str, list[Edit]] | None = None,
+        detour_fraction: float = 0.0,
+        max_detours: int = 2,
     ) -> None:
         self.oracle = OraclePolicy(tasks)
         self.min_chars = min_chars
-        self.detours = detours or {}
+        self.detours: dict[str, list[Edit]] = plan_detours(
+            tasks, detour_fraction, max_detours, self.narrow
+        )
         self._scripts: dict[str, list[ToolCall]] = {}
 
     def for_task(self, task: Task) -> Callable[[list[dict[str, Any]]], Awaitable[ToolCall]]:
@@ -218,10 +222,9 @@ def oracle_transcripts(
 
     ``cache``: a file to reuse between runs; it is keyed by the task ids and settings.
     """
-    oracle = MinimalEditOracle(tasks, edit_min_chars)
     # read_file and the fix take two turns; a closing submit past the budget is dropped
-    budget = 2 if max_turns is None else min(2, max_turns - 2)
-    oracle.detours = plan_detours(tasks, detour_fraction, budget, oracle.narrow)
+    room = 2 if max_turns is None else min(2, max_turns - 2)
+    oracle = MinimalEditOracle(tasks, edit_min_chars, detour_fraction, room)
     key = msgspec.json.encode(
         {
             "tasks": [t.id for t in tasks],
