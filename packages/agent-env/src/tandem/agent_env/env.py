@@ -88,16 +88,22 @@ class Env:
                 self._runtime = Runtime.shared(self.config.sandbox, sandboxed=False)
         return self._runtime
 
+    @staticmethod
+    def opening(task: Task, config: EnvConfig) -> list[dict[str, Any]]:
+        """The messages every episode of ``task`` starts from: the system prompt and the
+        task (what a policy's context holds before its first turn)."""
+        return [
+            {"role": "system", "content": config.system_prompt or DEFAULT_SYSTEM_PROMPT},
+            {"role": "user", "content": task.instruction},
+        ]
+
     async def reset(self) -> Observation:
         """Start a fresh episode (a new sandbox over the task's base) and return the task."""
         await self.close()
         rt = self._get_runtime()
         base = rt.acquire_base(self.task)
         self._session = Session(rt, base, rt.episode_dir(), rt.config.limits)
-        self.messages = [
-            {"role": "system", "content": self.config.system_prompt or DEFAULT_SYSTEM_PROMPT},
-            {"role": "user", "content": self.task.instruction},
-        ]
+        self.messages = self.opening(self.task, self.config)
         self.steps, self.turn, self.done, self.termination, self.result = [], 0, False, "", None
         self._restarts = 0
         self._counters = (0, 0)

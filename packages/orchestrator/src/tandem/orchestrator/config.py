@@ -20,6 +20,7 @@ from tandem.agent_env import EnvConfig
 from tandem.grpo.config import GRPOConfig
 from tandem.moe_determinism.model.config import MoEConfig
 from tandem.moe_determinism.model.model_dir import with_checkpoint_shapes
+from tandem.orchestrator.compaction_config import CompactionConfig
 from tandem.orchestrator.config_checks import ConfigValueError
 from tandem.orchestrator.config_checks import require as _require
 from tandem.orchestrator.inference.engine_config import EngineConfig, VllmConfig
@@ -27,6 +28,7 @@ from tandem.orchestrator.task_config import TaskConfig
 
 __all__ = [
     "CATEGORY_KEYS",
+    "CompactionConfig",
     "ConfigValueError",
     "EngineConfig",
     "EpisodeConfig",
@@ -66,9 +68,11 @@ class EpisodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     ``max_observation_chars``: a tool observation longer than this keeps its head and tail
     and says how much was cut (a small model's context cannot hold a whole file).
+    ``compaction``: what an episode does when its context fills (`CompactionConfig`).
     """
 
     max_observation_chars: int = 600
+    compaction: CompactionConfig = msgspec.field(default_factory=CompactionConfig)
 
     def __post_init__(self) -> None:
         _require(self.max_observation_chars >= 64, "max_observation_chars", "must be >= 64")
@@ -366,6 +370,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             f"{self.rl.groups_per_step}: every trainer rank trains on whole groups, so there "
             "must be at least as many groups per step as ranks",
         )
+        self.episode.compaction.check_window(self.engine.max_len)
 
     @property
     def run_dir(self) -> Path:

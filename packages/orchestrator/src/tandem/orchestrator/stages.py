@@ -34,10 +34,15 @@ from tandem.orchestrator.policy import build_model, save_policy
 from tandem.orchestrator.rl.hooks import RunHooks
 from tandem.orchestrator.rl.loop import RLRun
 from tandem.orchestrator.rl.summary import RunSummary
+from tandem.orchestrator.rollout.compaction import check_prompts
 from tandem.orchestrator.rollout.curriculum import CuratedCursor
 from tandem.orchestrator.rollout.tasks import TaskSource, task_category
 
 log = structlog.get_logger()
+
+
+PROMPTS_CHECKED = 64
+"""Training tasks whose prompts are checked against the window before RL starts."""
 
 
 def midtrain_policy(
@@ -130,6 +135,10 @@ def evaluate_policy(
     n_tasks = n_tasks or config.eval.tasks
     samples = samples or config.eval.samples
     held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(0, n_tasks)
+    check_prompts(
+        chat_format_for(model.config.path), held_out, config.env, config.engine.max_len,
+        config.episode.compaction,
+    )  # fmt: skip
     replicas = config.eval.engines or os.cpu_count() or 1
     t0 = time.perf_counter()
     if config.engine.kind == "vllm":
@@ -194,6 +203,10 @@ def reinforce(
     if task_offset is None:
         task_offset = config.midtrain.transcripts
     tasks = TaskSource(config.tasks, config.tasks.train_seed, offset=task_offset)
+    check_prompts(
+        chat_format_for(model.config.path), tasks.take(0, PROMPTS_CHECKED), config.env,
+        config.engine.max_len, config.episode.compaction,
+    )  # fmt: skip
     hooks = hooks or RunHooks()
     make_backend = functools.partial(
         build_backend, policy=model, config=config, tasks=tasks, run_dir=Path(run_dir)

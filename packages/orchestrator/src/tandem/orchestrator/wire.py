@@ -40,12 +40,43 @@ class TurnOutput(msgspec.Struct, kw_only=True, eq=False):
     truncated: bool
 
 
+class Segment(msgspec.Struct, kw_only=True, eq=False):
+    """One context of an episode: one training sequence (fields as in `Sample`).
+
+    An episode whose context was compacted is a chain of them: each ended where the policy
+    summarised (or the window slid), and the next began from a fresh prompt."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routes: np.ndarray
+    min_version: int
+    max_version: int
+
+
+class Compaction(msgspec.Struct, kw_only=True, frozen=True):
+    """One compaction of an episode's context: ``replaced``, the tokens of the context it
+    ended; ``kept``, the tokens of the fresh context's prompt; ``summary``, the summary's
+    tokens (0 when the window slid); ``cut``, the summary reached its budget."""
+
+    replaced: int
+    kept: int
+    summary: int = 0
+    cut: bool = False
+
+
 class Sample(msgspec.Struct, kw_only=True, eq=False):
     """One scored trajectory as the trainer needs it.
 
     ``routes`` [len(tokens) - 1, layers, top_k]: experts of every token but the last (the
     last token is sampled, never fed, and predicts nothing). ``versions[i]`` is the policy
     version that sampled token i (-1 for tokens the policy did not generate).
+
+    An episode that compacted its context keeps its earlier contexts in ``prior_segments``
+    (in order; the fields above are its last context) and each compaction in
+    ``compactions``. ``min_version``/``max_version`` cover every segment;
+    ``last_min_version``/``last_max_version`` the last one (-1: the same).
     """
 
     task_id: str
@@ -65,10 +96,27 @@ class Sample(msgspec.Struct, kw_only=True, eq=False):
     infra_fault: bool = False
     wall_s: float = 0.0
     messages: list[dict[str, Any]] = []
+    prior_segments: list[Segment] = []
+    compactions: list[Compaction] = []
+    last_min_version: int = -1
+    last_max_version: int = -1
 
     @property
     def generated_tokens(self) -> int:
-        return sum(self.loss_mask)
+        return sum(self.loss_mask) + sum(sum(s.loss_mask) for s in self.prior_segments)
+
+    def segments(self) -> list[Segment]:
+        """The episode's training sequences, in order (one unless it compacted)."""
+        last = Segment(
+            tokens=self.tokens,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            routes=self.routes,
+            min_version=self.min_version if self.last_min_version < 0 else self.last_min_version,
+            max_version=self.max_version if self.last_max_version < 0 else self.last_max_version,
+        )
+        return [*self.prior_segments, last]
 
 
 class Group(msgspec.Struct, frozen=True):

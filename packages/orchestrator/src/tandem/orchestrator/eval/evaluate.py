@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from tandem.agent_env import EnvConfig, Task
+from tandem.orchestrator.compaction_config import CompactionConfig
 from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.protocols import Engine
 from tandem.orchestrator.rollout.episode import episode_generator, run_token_episode
@@ -46,6 +47,7 @@ async def play_tasks(
     task_ids: Sequence[int] | None = None,
     stop_malformed: bool = True,
     on_sample: Callable[[], None] | None = None,
+    compaction: CompactionConfig | None = None,
 ) -> list[list[Sample]]:
     """Play every task ``samples_per_task`` times, each episode seeded by its task's id in
     the whole task set (``task_ids``, default the position in ``tasks``) and its sample
@@ -67,6 +69,7 @@ async def play_tasks(
             max_observation_chars=max_observation_chars,
             generator=episode_generator(seed, 7_777_777, ids[i], j),
             stop_malformed=stop_malformed,
+            compaction=compaction,
         )
         if on_sample is not None:
             on_sample()

@@ -54,6 +54,7 @@ def play_on_vllm(
                         samples_per_task=samples,
                         max_new_tokens=engine_cfg.max_new_tokens,
                         max_observation_chars=config.episode.max_observation_chars,
+                        compaction=config.episode.compaction,
                         seed=config.run.seed,
                         stop_malformed=engine_cfg.stop_malformed,
                         on_sample=on_sample,

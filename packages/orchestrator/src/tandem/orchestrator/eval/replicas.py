@@ -75,6 +75,7 @@ def play_here(
                 samples_per_task=samples,
                 max_new_tokens=engine_cfg.max_new_tokens,
                 max_observation_chars=config.episode.max_observation_chars,
+                compaction=config.episode.compaction,
                 seed=config.run.seed,
                 task_ids=task_ids,
                 stop_malformed=engine_cfg.stop_malformed,

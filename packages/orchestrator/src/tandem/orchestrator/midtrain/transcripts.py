@@ -29,7 +29,7 @@ from tandem.agent_env import (
 )
 from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.midtrain.detours import Edit, plan_detours
-from tandem.orchestrator.rollout.episode import truncate_observation
+from tandem.orchestrator.rollout.compaction import truncate_observation
 
 log = structlog.get_logger()
 

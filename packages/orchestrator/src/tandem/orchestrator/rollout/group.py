@@ -46,6 +46,7 @@ async def play_group(
                     generator=episode_generator(seed, index, j),
                     stop_malformed=engine_cfg.stop_malformed,
                     open_env=open_env,
+                    compaction=episode.compaction,
                 ),
                 timeout=budget,
             )
