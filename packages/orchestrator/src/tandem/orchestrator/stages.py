@@ -80,6 +80,8 @@ def midtrain_policy(
         max_turns=env.max_turns,
         detour_fraction=mid.detour_fraction,
         cache=run_dir / "cache" / "oracle_transcripts.json",
+        compaction=config.episode.compaction,
+        max_len=config.engine.max_len,
     )
     n_played = len(transcripts)
     max_len = config.engine.max_len

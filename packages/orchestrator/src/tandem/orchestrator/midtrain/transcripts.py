@@ -27,8 +27,10 @@ from tandem.agent_env import (
     run_episodes,
     tool_schemas,
 )
+from tandem.orchestrator.compaction_config import CompactionConfig
 from tandem.orchestrator.inference.formats import AnyChatFormat
 from tandem.orchestrator.midtrain.detours import Edit, plan_detours
+from tandem.orchestrator.midtrain.summaries import compacted_transcript
 from tandem.orchestrator.rollout.compaction import truncate_observation
 
 log = structlog.get_logger()
@@ -73,6 +75,20 @@ def fit_turns(messages: Sequence[dict[str, Any]], max_turns: int) -> list[dict[s
     return list(messages[: calls[max_turns]])
 
 
+def transcript_messages(
+    messages: Sequence[dict[str, Any]], max_observation_chars: int, skip_tools: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """A finished episode's messages as the engine's token stream holds them: condensed,
+    each tool output truncated, ending with the policy's last call."""
+    msgs = condense(messages, skip_tools)
+    while msgs and msgs[-1].get("role") == "tool":
+        msgs.pop()  # the episode ends with the policy's last call
+    for m in msgs:
+        if m.get("role") == "tool":
+            m["content"] = truncate_observation(m.get("content") or "", max_observation_chars)
+    return msgs
+
+
 def render_transcript(
     chat: AnyChatFormat,
     messages: Sequence[dict[str, Any]],
@@ -81,12 +97,7 @@ def render_transcript(
 ) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of a finished episode, as the engine's token stream would hold it
     (the prompt lists the environment's tools, as a rollout's does)."""
-    msgs = condense(messages, skip_tools)
-    while msgs and msgs[-1].get("role") == "tool":
-        msgs.pop()  # the episode ends with the policy's last call
-    for m in msgs:
-        if m.get("role") == "tool":
-            m["content"] = truncate_observation(m.get("content") or "", max_observation_chars)
+    msgs = transcript_messages(messages, max_observation_chars, skip_tools)
     return chat.render(msgs, tools=tool_schemas())
 
 
@@ -210,6 +221,8 @@ def oracle_transcripts(
     max_turns: int | None = None,
     detour_fraction: float = 0.0,
     cache: str | Path | None = None,
+    compaction: CompactionConfig | None = None,
+    max_len: int = 0,
 ) -> list[tuple[list[int], list[int]]]:
     """Rendered transcripts of the oracle on ``tasks`` (only resolved episodes are kept).
 
@@ -221,7 +234,12 @@ def oracle_transcripts(
     turn budget leaves room for (at most 2).
 
     ``cache``: a file to reuse between runs; it is keyed by the task ids and settings.
+
+    ``compaction`` in ``summary`` mode (with the engine's window ``max_len``): a transcript
+    is cut into the contexts a rollout would play it in, each ending with the oracle's
+    summary (`summaries`); each context is one item.
     """
+    summarise = compaction is not None and compaction.mode == "summary"
     # read_file and the fix take two turns; a closing submit past the budget is dropped
     room = 2 if max_turns is None else min(2, max_turns - 2)
     oracle = MinimalEditOracle(tasks, edit_min_chars, detour_fraction, room)
@@ -237,6 +255,11 @@ def oracle_transcripts(
             "oracle": f"minimal-edit-{edit_min_chars}",
             "max_turns": max_turns,
             "detours": sorted(oracle.detours.items()),
+            **(
+                {"compaction": msgspec.to_builtins(compaction), "max_len": max_len}
+                if summarise
+                else {}
+            ),
         }
     )
     path = Path(cache) if cache is not None else None
@@ -253,7 +276,19 @@ def oracle_transcripts(
         condensed = [m for m in (fit_turns(c, max_turns) for c in condensed) if m is not None]
         if len(condensed) < len(kept):
             log.warning("midtrain.transcripts_over_turn_budget", dropped=len(kept) - len(condensed))
-    items = [render_transcript(chat, m, max_observation_chars) for m in condensed]
+    if summarise:
+        assert compaction is not None
+        cut = [
+            compacted_transcript(
+                chat, transcript_messages(m, max_observation_chars), compaction, max_len
+            )
+            for m in condensed
+        ]
+        if any(c is None for c in cut):
+            log.warning("midtrain.transcripts_not_compactable", dropped=sum(c is None for c in cut))
+        items = [item for c in cut if c is not None for item in c]
+    else:
+        items = [render_transcript(chat, m, max_observation_chars) for m in condensed]
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(msgspec.json.encode({"key": key.decode(), "items": items}))
