@@ -22,6 +22,7 @@ from tandem.agent_env import EnvConfig, generate_tasks
 from tandem.moe_determinism import batch_invariant
 from tandem.orchestrator.compaction_config import DEFAULT_INSTRUCTION, CompactionConfig
 from tandem.orchestrator.config import ConfigValueError, RunConfig, TrainerConfig
+from tandem.orchestrator.eval.passk import summarize
 from tandem.orchestrator.inference.chat_format import ChatFormat, ToolCall
 from tandem.orchestrator.inference.embedded.server import EngineServer
 from tandem.orchestrator.rollout.compaction import (
@@ -34,7 +35,14 @@ from tandem.orchestrator.rollout.episode import episode_generator, run_token_epi
 from tandem.orchestrator.training.collate import collate
 from tandem.orchestrator.training.scoring import score
 from tandem.orchestrator.training.trainer import RLTrainer
-from tandem.orchestrator.wire import Sample, Segment, TurnOutput, decode, encode
+from tandem.orchestrator.wire import (
+    Sample,
+    Segment,
+    TurnOutput,
+    compaction_figures,
+    decode,
+    encode,
+)
 
 TASK = generate_tasks(seed=0, n=1)[0]
 FILE = next(iter(TASK.files))
@@ -332,3 +340,23 @@ def test_every_segment_scores_the_engines_bits_with_routes_replayed(
     metrics = trainer.step([samples[:2], samples[2:]], 0)
     assert metrics["step_applied"] == 1.0 and metrics["mismatch_tokens"] > 100
     assert metrics["mismatch_max_abs"] == 0.0 and metrics["routing_agreement_replay"] == 1.0
+
+
+def test_the_figures_of_compacted_episodes() -> None:
+    """Per-episode compactions, summary length against the context replaced, cut share: as
+    `compaction_figures` and the evaluation's summary give them, against a count by hand."""
+    chat = ChatFormat()
+    cut = _play(
+        ScriptedEngine(chat, [READ] * 6 + [SUBMIT], "x" * 500, 2048),
+        CompactionConfig(mode="summary", trigger=0.6, summary_max_tokens=40),
+    )
+    whole = _play(ScriptedEngine(chat, [SUBMIT], "", 2048), CompactionConfig(mode="summary"))
+    records = cut.compactions
+    assert records and not whole.compactions
+    figures = compaction_figures([cut, whole])
+    assert figures["compactions"] == len(records) / 2
+    assert figures["summary_tokens"] == 40 and figures["summaries_cut"] == 1.0
+    assert figures["replaced_tokens"] == sum(c.replaced for c in records) / len(records)
+    result = summarize([[cut], [whole]], ks=(1,))
+    assert result.compaction == figures
+    assert result.terminations == {"submitted": 2}

@@ -136,6 +136,21 @@ def has_signal(rewards: Sequence[float], train_failed: bool = False) -> bool:
     return train_failed and len(rewards) >= 2 and max(rewards) <= 0
 
 
+def compaction_figures(samples: Sequence[Sample]) -> dict[str, float]:
+    """Per-episode means over ``samples``: compactions, and each summary's tokens against
+    the context it replaced (means over the compactions; 0 where there were none), and the
+    share of summaries cut at their budget."""
+    records = [c for s in samples for c in s.compactions]
+    summaries = [c for c in records if c.summary]
+    n = max(len(samples), 1)
+    return {
+        "compactions": len(records) / n,
+        "summary_tokens": sum(c.summary for c in summaries) / max(len(summaries), 1),
+        "replaced_tokens": sum(c.replaced for c in records) / max(len(records), 1),
+        "summaries_cut": sum(c.cut for c in summaries) / max(len(summaries), 1),
+    }
+
+
 class PlayedGroup(msgspec.Struct, kw_only=True):
     """The outcome of one group: its samples, or why it was dropped (``dropped`` non-empty:
     episodes cut past their budget, or a sandbox that failed to start)."""

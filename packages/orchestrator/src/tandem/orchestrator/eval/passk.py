@@ -10,12 +10,13 @@ trades one category for another.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from math import comb
 
 import msgspec
 
-from tandem.orchestrator.wire import Sample
+from tandem.orchestrator.wire import Sample, compaction_figures
 
 
 class CategoryScore(msgspec.Struct, frozen=True):
@@ -40,6 +41,9 @@ class EvalResult(msgspec.Struct, frozen=True):
     by_category: dict[str, CategoryScore] = {}
     solved: list[int] = []
     categories: list[str] = []  # task i's category, when the scorer was given them
+    compaction: dict[str, float] = {}
+    """`compaction_figures` of the episodes (empty when none compacted its context)."""
+    terminations: dict[str, int] = {}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -163,4 +167,6 @@ def summarize(
         by_category={} if categories is None else by_category(per_task, categories),
         solved=[sum(s.resolved for s in t) for t in per_task],
         categories=list(categories or []),
+        compaction=compaction_figures(flat) if any(s.compactions for s in flat) else {},
+        terminations=dict(sorted(Counter(s.termination for s in flat).items())),
     )

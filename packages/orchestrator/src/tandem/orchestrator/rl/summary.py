@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.orchestrator.rl.staleness import StalenessStats
-from tandem.orchestrator.wire import Group, RolloutStats
+from tandem.orchestrator.wire import Group, RolloutStats, compaction_figures
 
 
 @dataclass
@@ -73,6 +73,7 @@ def step_metrics(
         "format_errors": sum(s.format_errors for s in samples) / len(samples),
         "tool_errors": sum(s.tool_errors for s in samples) / len(samples),
         "turns": sum(s.turns for s in samples) / len(samples),
+        **({} if not any(s.compactions for s in samples) else compaction_figures(samples)),
         "dropped_stale": staleness.dropped_stale,
         "dropped_fraction": staleness.dropped_fraction,
         "staleness_histogram": {
