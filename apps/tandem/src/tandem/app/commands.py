@@ -139,6 +139,12 @@ def run_demo(config: PipelineConfig, args: argparse.Namespace) -> int:
     )
 
     check_rl_engine(config)  # before minutes of mid-training
+    if config.demo.compare.variants:
+        from tandem.app.compare import run_compare
+
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        run_compare(config, config.demo.compare)
+        return 0
     if config.engine.kind == "vllm":
         from tandem.orchestrator import servable_head_dim
 

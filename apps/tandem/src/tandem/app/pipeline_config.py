@@ -12,6 +12,25 @@ import msgspec
 from tandem.app.config import LoggingConfig
 from tandem.orchestrator import RunConfig
 
+VARIANTS = ("none", "sliding", "prompted", "trained")
+"""The long-horizon comparison's variants (`tandem.app.compare`)."""
+
+
+class CompareSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[demo.compare]``: the variants to compare (empty: the demo runs one pipeline) and
+    the RL seeds of the summary variants (``prompted``, ``trained``); the others run the
+    run's seed once."""
+
+    variants: list[str] = []
+    seeds: int = 3
+
+    def __post_init__(self) -> None:
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad:
+            raise ValueError(f"variants: unknown {bad}; choose from {list(VARIANTS)}")
+        if self.seeds < 1:
+            raise ValueError("seeds: must be >= 1")
+
 
 class DemoSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The demo's own settings. Its work is fixed by the stage sections (``midtrain.steps``,
@@ -22,11 +41,13 @@ class DemoSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     leave the final evaluation as long as the first took, and mid-training stops at
     ``midtrain_cap_s`` (0: at ``time_cap_s``). The report's first lines say when a cap cut a
     stage short. ``lift_band``: the band of held-out pass@1 lifts (points) the README states
-    for this config, which the report compares the run with."""
+    for this config, which the report compares the run with. ``compare``: variants of the
+    long-horizon comparison (`tandem.app.compare`) to run instead of one pipeline."""
 
     time_cap_s: float = 0.0
     midtrain_cap_s: float = 0.0
     lift_band: tuple[float, float] = (11.9, 21.9)
+    compare: CompareSettings = msgspec.field(default_factory=CompareSettings)
 
     def __post_init__(self) -> None:
         if self.time_cap_s < 0 or self.midtrain_cap_s < 0:
