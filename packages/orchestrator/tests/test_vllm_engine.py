@@ -244,3 +244,54 @@ def test_every_supported_layout_is_served_as_tandem_computes_it(
     got = torch.tensor(outs[0].logprobs, dtype=torch.float64)
     ref = reference_logprobs(model, tokens, len(PROMPT)).double()
     assert len(got) == len(ref) and float((got - ref).abs().max()) < 1e-5
+
+
+def test_a_long_episode_summarises_on_the_server_and_each_segment_is_tandems(vllm_served) -> None:
+    """Compaction on the vLLM engine: the same rollout code as the embedded engine's; every
+    context is a fresh slot (its token history dropped), and each segment's log-probs are
+    within 1e-5 of tandem's own forward over that segment."""
+    from tandem.agent_env import EnvConfig, generate_tasks
+    from tandem.orchestrator.compaction_config import CompactionConfig
+    from tandem.orchestrator.inference.chat_format import ChatFormat
+    from tandem.orchestrator.rollout.episode import episode_generator, run_token_episode
+
+    servers, model = vllm_served
+    chat = ChatFormat()
+    task = generate_tasks(seed=3, n=1, functions=["gcd"], functions_per_repo=1)[0]
+    env = EnvConfig(max_turns=6, allow_unsandboxed=True, system_prompt="Fix it.")
+    compaction = CompactionConfig(
+        mode="summary", trigger=0.85, summary_max_tokens=24, instruction="Summarise.",
+        keep_last_observation=False,
+    )  # fmt: skip
+
+    async def go():
+        engine = VllmEngine(
+            servers.urls, ENGINE, stop_id=chat.end_id, vocab=266, model_vocab=266,
+            route_shape=(len(MODEL.moe_layers), MODEL.num_experts_per_tok),
+            moe_layers=MODEL.moe_layers,
+        )  # fmt: skip
+        try:
+            samples = await asyncio.gather(
+                *(
+                    run_token_episode(
+                        engine, chat, task, env, max_new_tokens=24, max_observation_chars=64,
+                        generator=episode_generator(9, j), stop_malformed=False,
+                        compaction=compaction,
+                    )
+                    for j in range(2)
+                )
+            )  # fmt: skip
+            return samples, dict(engine._context)
+        finally:
+            await engine.close()
+
+    samples, contexts = asyncio.run(go())
+    assert not contexts  # every slot's history was dropped
+    segments = [seg for s in samples for seg in s.segments()]
+    assert len(segments) >= 4 and all(s.compactions for s in samples)
+    for seg in segments:
+        assert seg.routes.shape[0] == len(seg.tokens) - 1
+        ref = reference_logprobs(model, seg.tokens, 1).double()
+        sampled = [i for i, m in enumerate(seg.loss_mask) if m]
+        got = torch.tensor([seg.logprobs[i] for i in sampled], dtype=torch.float64)
+        assert float((got - ref[[i - 1 for i in sampled]]).abs().max()) < 1e-5
