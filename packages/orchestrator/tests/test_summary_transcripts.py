@@ -9,10 +9,9 @@ are built by `compacted_transcript` over the oracle's messages, not by the rollo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
-import numpy as np
 import torch
+from scripted_engine import ReplayEngine
 
 from tandem.agent_env import EnvConfig, generate_multibug_tasks
 from tandem.orchestrator.compaction_config import CompactionConfig
@@ -20,47 +19,10 @@ from tandem.orchestrator.inference.chat_format import ChatFormat
 from tandem.orchestrator.midtrain.summaries import oracle_summary
 from tandem.orchestrator.midtrain.transcripts import oracle_transcripts
 from tandem.orchestrator.rollout.episode import run_token_episode
-from tandem.orchestrator.wire import TurnOutput
 
 MAX_LEN = 2048
 COMPACTION = CompactionConfig(mode="summary", trigger=0.6, summary_max_tokens=400)
 ENV = EnvConfig(max_turns=16, partial_credit=True, system_prompt="Fix the bugs.")
-
-
-class ReplayEngine:
-    """The `Engine` protocol answering with the given sampled turns, in order."""
-
-    def __init__(self, turns: list[list[int]]) -> None:
-        self.turns = list(turns)
-
-    @property
-    def max_len(self) -> int:
-        return MAX_LEN
-
-    async def acquire(self) -> int:
-        return 0
-
-    def release(self, slot: int) -> None:
-        pass
-
-    async def generate(
-        self,
-        slot: int,
-        feed: list[int],
-        generator: torch.Generator,
-        max_new_tokens: int,
-        keep_going: Callable[[int], bool] | None = None,
-    ) -> TurnOutput:
-        tokens = self.turns.pop(0)
-        return TurnOutput(
-            tokens=tokens,
-            logprobs=[0.0] * len(tokens),
-            versions=[0] * len(tokens),
-            routes=np.zeros((len(feed) + len(tokens) - 1, 1, 1), dtype=np.int16),
-            min_version=0,
-            max_version=0,
-            truncated=False,
-        )
 
 
 def _sampled_turns(mask: list[int], ids: list[int]) -> list[list[int]]:
@@ -93,7 +55,7 @@ def test_summary_transcripts_are_the_contexts_a_rollout_plays() -> None:
     turns = [t for ids, mask in items for t in _sampled_turns(mask, ids)]
     sample = asyncio.run(
         run_token_episode(
-            ReplayEngine(turns), chat, task, ENV, max_new_tokens=COMPACTION.summary_max_tokens,
+            ReplayEngine(turns, MAX_LEN), chat, task, ENV, max_new_tokens=COMPACTION.summary_max_tokens,
             max_observation_chars=400, generator=torch.Generator(), compaction=COMPACTION,
         )
     )  # fmt: skip

@@ -16,56 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
+from scripted_engine import ReplayEngine
 
 from tandem.agent_env import EnvConfig, generate_tasks, tool_schemas
 from tandem.orchestrator.inference import tool_prompt
 from tandem.orchestrator.inference.template_chat import TemplateChatFormat
 from tandem.orchestrator.rollout.episode import run_token_episode
-from tandem.orchestrator.wire import Sample, TurnOutput
-
-
-class ScriptedEngine:
-    """The `Engine` protocol, answering each turn with the next scripted ids."""
-
-    def __init__(self, turns: list[list[int]]) -> None:
-        self.turns = list(turns)
-        self.feeds: list[list[int]] = []
-
-    @property
-    def max_len(self) -> int:
-        return 8192
-
-    async def acquire(self) -> int:
-        return 0
-
-    def release(self, slot: int) -> None:
-        pass
-
-    async def generate(
-        self,
-        slot: int,
-        feed: list[int],
-        generator: torch.Generator,
-        max_new_tokens: int,
-        keep_going: Callable[[int], bool] | None = None,
-    ) -> TurnOutput:
-        self.feeds.append(list(feed))
-        tokens = self.turns.pop(0)
-        fed = len(feed) + len(tokens) - 1  # every sampled token but the last is fed
-        return TurnOutput(
-            tokens=tokens,
-            logprobs=[-0.5] * len(tokens),
-            versions=[0] * len(tokens),
-            routes=np.zeros((fed, 1, 1), dtype=np.int16),
-            min_version=0,
-            max_version=0,
-            truncated=False,
-        )
+from tandem.orchestrator.wire import Sample
 
 
 def _turn(chat: TemplateChatFormat, text: str) -> list[int]:
@@ -80,8 +40,8 @@ def _call_text(chat: TemplateChatFormat, name: str, **arguments: object) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
-def _play(chat: TemplateChatFormat, turns: list[list[int]]) -> tuple[Sample, ScriptedEngine]:
-    engine = ScriptedEngine(turns)
+def _play(chat: TemplateChatFormat, turns: list[list[int]]) -> tuple[Sample, ReplayEngine]:
+    engine = ReplayEngine(turns)
     task = generate_tasks(seed=0, n=1)[0]
     config = EnvConfig(max_turns=3, allow_unsandboxed=True, system_prompt="Fix the bug.")
     sample = asyncio.run(
