@@ -66,6 +66,7 @@ def test_the_table_gives_each_run_its_lift_and_compaction_figures() -> None:
         "lift": 0.15,
         "low": 0.05,
         "high": 0.25,
+        "reward_before": 0.25,
         "reward_after": 0.5,
         "turns": 11.5,
         "compaction": {
@@ -79,7 +80,7 @@ def test_the_table_gives_each_run_its_lift_and_compaction_figures() -> None:
     text = compare_table([row, plain], 600.0)
     lines = text.splitlines()
     assert lines[2] == (
-        "| trained | 1 | 10.0 | 25.0 | +15.0 (+5.0 to +25.0) | 0.500 | 11.5 | 2.00 "
+        "| trained | 1 | 10.0 | 25.0 | +15.0 (+5.0 to +25.0) | 0.250 -> 0.500 | 11.5 | 2.00 "
         "| 90 / 1600 | 0.25 |"
     )
     assert lines[3].startswith("| none | 1 | 10.0 | 25.0 |") and lines[3].endswith(

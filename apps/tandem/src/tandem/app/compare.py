@@ -102,9 +102,12 @@ def run_compare(config: PipelineConfig, settings: CompareSettings) -> list[dict[
 
 
 def compare_table(rows: list[dict[str, Any]], wall_s: float) -> str:
-    """The comparison as a Markdown table (points; 95% interval paired by task)."""
+    """The comparison as a Markdown table: pass@1 (all of a task's bugs fixed) in points,
+    its lift with a 95% interval paired by task; the mean reward (with partial credit, the
+    share of hidden tests that pass), mean turns and compactions per episode, summary
+    length against the context it replaced (tokens) and the share of summaries cut."""
     lines = [
-        "| variant | seed | pass@1 before | after | lift (95% interval) | reward after "
+        "| variant | seed | pass@1 before | after | lift (95% interval) | reward before -> after "
         "| turns | summaries | summary / replaced tokens | cut |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -118,7 +121,8 @@ def compare_table(rows: list[dict[str, Any]], wall_s: float) -> str:
         lines.append(
             f"| {r['variant']} | {r['seed']} | {100 * r['before']:.1f} | {100 * r['after']:.1f} "
             f"| {100 * r['lift']:+.1f} ({100 * r['low']:+.1f} to {100 * r['high']:+.1f}) "
-            f"| {r['reward_after']:.3f} | {r['turns']:.1f} | {c.get('compactions', 0.0):.2f} "
+            f"| {r['reward_before']:.3f} -> {r['reward_after']:.3f} | {r['turns']:.1f} "
+            f"| {c.get('compactions', 0.0):.2f} "
             f"| {ratio} | {c.get('summaries_cut', 0.0):.2f} |"
         )
     lines.append(f"\nwall time: {wall_s / 60:.1f} min")
