@@ -9,7 +9,9 @@ for each variant the same held-out tasks before and after the same number of RL 
 - ``trained``: the summary is trained by the episode's reward like every other token.
 
 ``prompted`` and ``trained`` play alike before RL (the mask only matters to the trainer), so
-they share one evaluation before. Each RL run starts from the saved mid-trained weights.
+they share one evaluation before per seed (the seed chooses the evaluation's draws too, so
+before and after are paired draw for draw). Each RL run starts from the saved mid-trained
+weights.
 """
 
 from __future__ import annotations
@@ -57,13 +59,13 @@ def run_compare(config: PipelineConfig, settings: CompareSettings) -> list[dict[
     t_mid = time.perf_counter() - t_start
     log.info("compare.midtrained", seconds=round(t_mid, 1))
     policy_dir = run_dir / "midtrained"
-    before: dict[str, Any] = {}
+    before: dict[tuple[str, int], Any] = {}
     rows: list[dict[str, Any]] = []
     for variant in settings.variants:
         seeds = settings.seeds if variant in ("prompted", "trained") else 1
         for k in range(seeds):
             cfg = variant_config(config, variant, config.run.seed + k)
-            key = _play_key(variant)
+            key = (_play_key(variant), cfg.run.seed)  # the seed chooses the evaluation's draws
             if key not in before:
                 before[key] = evaluate_policy(load_policy(policy_dir), cfg)
             t0 = time.perf_counter()
