@@ -360,3 +360,9 @@ def test_the_figures_of_compacted_episodes() -> None:
     result = summarize([[cut], [whole]], ks=(1,))
     assert result.compaction == figures
     assert result.terminations == {"submitted": 2}
+
+
+def test_a_window_that_would_slide_again_at_once_is_refused() -> None:
+    with pytest.raises(ConfigValueError, match=r"^keep_fraction: 0.7 must be above 0 and below"):
+        CompactionConfig(mode="sliding", trigger=0.6, keep_fraction=0.7)
+    CompactionConfig(mode="summary", trigger=0.4)  # the window's share matters to sliding only

@@ -11,6 +11,7 @@ from tandem.agent_env.env import Env
 from tandem.agent_env.errors import PolicyError, SandboxError, TaskFileError
 from tandem.agent_env.grading import GradeResult
 from tandem.agent_env.openai_policy import OpenAIPolicy
+from tandem.agent_env.opening import opening_messages
 from tandem.agent_env.oracle import OraclePolicy, oracle_script, submit_at_once
 from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION
 from tandem.agent_env.rollout import Policy, run_episode, run_episodes
@@ -60,6 +61,7 @@ __all__ = [
     "generate_multibug_tasks",
     "generate_tasks",
     "load_tasks",
+    "opening_messages",
     "oracle_script",
     "read_jsonl",
     "render_text",

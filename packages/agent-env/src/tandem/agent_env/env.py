@@ -11,6 +11,7 @@ import structlog
 from tandem.agent_env.config import EnvConfig
 from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.grading import GradeResult, grade
+from tandem.agent_env.opening import opening_messages
 from tandem.agent_env.replies import TEXT_ANSWER_OBSERVATION, assistant_message, to_turn
 from tandem.agent_env.sandbox.answers import BadAnswer, Done, Failed, Ran, check
 from tandem.agent_env.sandbox.runtime import Runtime
@@ -27,10 +28,6 @@ from tandem.agent_env.trajectory import Observation, StepRecord, StepResult, Tra
 
 log = structlog.get_logger()
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a software engineer working in a Python repository. Use the tools to inspect the "
-    "code, make the fix, check it with the tests, then call submit. Each call is one turn."
-)
 _MAX_RESTARTS = 5
 _ANSWER_GRACE_S = 15.0  # beyond the command's own limit: the supervisor's work around it
 
@@ -88,22 +85,13 @@ class Env:
                 self._runtime = Runtime.shared(self.config.sandbox, sandboxed=False)
         return self._runtime
 
-    @staticmethod
-    def opening(task: Task, config: EnvConfig) -> list[dict[str, Any]]:
-        """The messages every episode of ``task`` starts from: the system prompt and the
-        task (what a policy's context holds before its first turn)."""
-        return [
-            {"role": "system", "content": config.system_prompt or DEFAULT_SYSTEM_PROMPT},
-            {"role": "user", "content": task.instruction},
-        ]
-
     async def reset(self) -> Observation:
         """Start a fresh episode (a new sandbox over the task's base) and return the task."""
         await self.close()
         rt = self._get_runtime()
         base = rt.acquire_base(self.task)
         self._session = Session(rt, base, rt.episode_dir(), rt.config.limits)
-        self.messages = self.opening(self.task, self.config)
+        self.messages = opening_messages(self.task, self.config)
         self.steps, self.turn, self.done, self.termination, self.result = [], 0, False, "", None
         self._restarts = 0
         self._counters = (0, 0)

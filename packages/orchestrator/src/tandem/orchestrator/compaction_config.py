@@ -48,7 +48,12 @@ class CompactionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         )
         _require(self.summary_max_tokens >= 1, "summary_max_tokens", "must be >= 1")
         _require(bool(self.instruction.strip()), "instruction", "must not be empty")
-        _require(0.0 < self.keep_fraction < 1.0, "keep_fraction", "must be in (0, 1)")
+        _require(
+            0.0 < self.keep_fraction < (self.trigger if self.mode == "sliding" else 1.0),
+            "keep_fraction",
+            f"{self.keep_fraction} must be above 0 and below the trigger {self.trigger} "
+            "(a window that slid to it would slide again at once)",
+        )
 
     def trigger_tokens(self, max_len: int) -> int:
         """The context length (tokens) at which a context is compacted."""

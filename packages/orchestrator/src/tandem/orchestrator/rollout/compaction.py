@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.agent_env import Env, EnvConfig, Task
+from tandem.agent_env import EnvConfig, Task, opening_messages, tool_schemas
 from tandem.orchestrator.compaction_config import CompactionConfig
 from tandem.orchestrator.config_checks import ConfigValueError
 from tandem.orchestrator.inference.formats import AnyChatFormat
@@ -173,11 +173,6 @@ class Compactor:
         generator: torch.Generator,
     ) -> None:
         config.check_window(engine.max_len, field="compaction")
-        if config.mode == "sliding" and config.keep_fraction >= config.trigger:
-            raise ValueError(
-                f"compaction.keep_fraction {config.keep_fraction} must be below its trigger "
-                f"{config.trigger} (the window would slide again at once)"
-            )
         self.engine, self.chat, self.config = engine, chat, config
         self.opening, self.prompt, self.schemas = list(opening), prompt, list(schemas)
         self.max_observation_chars = max_observation_chars
@@ -245,9 +240,11 @@ def check_prompts(
     context is full (``engine.max_len``) or compacts (the trigger): no episode of it could
     take a turn. Episodes check their own prompt too, for the tasks not checked here."""
     limit = max_len if config.mode == "none" else config.trigger_tokens(max_len)
-    schemas = Env.tool_schemas()
+    schemas = tool_schemas()
     for task in tasks:
-        prompt, _ = chat.render(Env.opening(task, env), add_generation_prompt=True, tools=schemas)
+        prompt, _ = chat.render(
+            opening_messages(task, env), add_generation_prompt=True, tools=schemas
+        )
         if len(prompt) >= limit:
             where = "is full" if config.mode == "none" else "compacts"
             raise ConfigValueError(
