@@ -15,7 +15,7 @@ Each point runs in a fresh process capped at ``--limit-gib`` of address space, s
 that would take the machine's memory fails alone and is reported as over the cap. The figure
 is the process's peak RSS less its RSS before the pass, and per token of context.
 
-    uv run python benchmarks/stage_memory.py --context [--lengths 1024 4096 16384]
+    uv run python benchmarks/stage_memory.py --context [--lengths 1024 4096 8192 16384]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 GIB = 1 << 30
-LENGTHS = (1024, 4096, 16384)
+LENGTHS = (1024, 4096, 8192, 16384)
 VOCABS = (49_152, 151_936)
 SETTINGS = {"before": (0, False), "after": (1024, True)}
 

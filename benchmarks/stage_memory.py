@@ -26,7 +26,7 @@ Weights are held in fp32.
 a real vocabulary, before and after chunked logits and activation checkpointing
 (`context_memory.py`):
 
-    uv run python benchmarks/stage_memory.py --context [--lengths 1024 4096 16384]
+    uv run python benchmarks/stage_memory.py --context [--lengths 1024 4096 8192 16384]
 """
 
 from __future__ import annotations

@@ -106,3 +106,40 @@ def test_bf16_gradient_is_close() -> None:
     for got, want in zip(grads, ref_grads, strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("case", ["continuation", "padded keys"])
+def test_masked_gradient_in_query_ranges_matches_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that need an explicit mask take their gradient a range of queries at a time
+    (`MASK_ELEMENTS` mask entries per fused call); the key and value gradients add up over
+    the ranges to the float64 reference's."""
+    from tandem.moe_determinism.ops import attention_grad
+
+    q, k, v, pos, kv = _inputs(case)
+    budget = 7 * k.shape[2]  # 7 queries of the longest row a call
+    monkeypatch.setattr(attention_grad, "MASK_ELEMENTS", budget)
+    masked: list[int] = []  # mask entries of each call that needs a mask
+    fused = attention_grad._fused
+
+    def counted(grad, q_part, k_part, v_part, mask, *rest):
+        if mask is not None:
+            masked.append(mask.numel())
+        return fused(grad, q_part, k_part, v_part, mask, *rest)
+
+    monkeypatch.setattr(attention_grad, "_fused", counted)
+    scale = q.shape[-1] ** -0.5
+    seed = torch.randn(
+        q.shape[0], q.shape[1], q.shape[2], v.shape[-1], generator=torch.Generator().manual_seed(2)
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ops.attention(*leaves, kv_split_size=16, q_positions=pos, kv_lengths=kv, scale=scale)
+    grads = torch.autograd.grad((out * seed).sum(), leaves)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(
+        (_reference(*ref_leaves, pos, kv, scale) * seed.double()).sum(), ref_leaves
+    )
+    assert len(masked) > q.shape[0] and max(masked) <= budget, masked
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-5, msg=f"d{name}")

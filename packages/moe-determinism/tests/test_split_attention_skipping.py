@@ -180,3 +180,35 @@ def test_gradients_match_the_reference_and_sdpa() -> None:
         torch.testing.assert_close(a, s, rtol=1e-4, atol=1e-4, msg=f"d{name} vs SDPA")
     # Keys beyond a row's length get no gradient at all.
     assert torch.equal(ours[1][1, :, 90:], torch.zeros_like(ours[1][1, :, 90:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_ranges_give_the_bits_of_one_pass(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long sequence is computed a range of queries at a time (`MAX_SCORES`): the same bits
+    as one pass and as the dense reference, each pass within its score budget."""
+    passes: list[int] = []
+    one_pass = split_attention._attention_cpu_pass
+
+    def recorded(q, k, *rest):
+        passes.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return one_pass(q, k, *rest)
+
+    rng = random.Random(7)
+    for case in range(16):
+        q, k, v, causal, split, pos, lengths, scale = _random_case(rng, dtype, seed=100 + case)
+        budget = rng.choice([1, 600, 2000])  # down to one block of queries per pass
+        whole = split_attention._attention_cpu(q, k, v, causal, split, pos, lengths, scale)
+        monkeypatch.setattr(split_attention, "_attention_cpu_pass", recorded)
+        passes.clear()
+        ranged = split_attention._attention_cpu(
+            q, k, v, causal, split, pos, lengths, scale, max_scores=budget
+        )
+        monkeypatch.setattr(split_attention, "_attention_cpu_pass", one_pass)
+        ref = _all_pairs_reference(q, k, v, causal, split, pos, lengths, scale)
+        assert torch.equal(_bits(ranged), _bits(whole)), f"case {case}"
+        assert torch.equal(_bits(ranged), _bits(ref)), f"case {case}"
+        per_block = q.shape[0] * q.shape[1] * Q_BLOCK * k.shape[2]  # the least a pass does
+        assert len(passes) == -(-q.shape[2] // max(Q_BLOCK, budget // per_block * Q_BLOCK))
+        assert max(passes) <= max(budget, per_block), (budget, passes)

@@ -38,6 +38,10 @@ Q_BLOCK = 16
 """Query rows (heads x queries of one KV head) per fixed-shape GEMM block."""
 KV_SPLIT_SIZE = 64
 """Default keys per split."""
+MAX_SCORES = 1 << 24
+"""Scores (batch x query heads x queries x keys) per pass of the CPU path: longer work is
+done a range of queries at a time, so its gathered key and value blocks stay about 0.5 GB
+(at head dim 64) instead of growing with the context's square (8 GB a layer at 16k)."""
 
 
 def _check_shapes(
@@ -251,6 +255,41 @@ class _SplitTreeSum(torch.autograd.Function):
 
 
 def _attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    split: int,
+    q_positions: torch.Tensor,
+    kv_lengths: torch.Tensor,
+    scale: float,
+    kv_slots: torch.Tensor | None = None,
+    cache_keys: int = 0,
+    kv_origins: torch.Tensor | None = None,
+    max_scores: int = MAX_SCORES,
+) -> torch.Tensor:
+    """`_attention_cpu_pass` over ranges of queries of at most ``max_scores`` scores each.
+    Every reduction of a query is its own row's (a fixed-shape GEMM gives a row the same bits
+    in any block; the max and the tree over splits are per row, the split grid set by the
+    keys), so the ranges give one pass's bits, in memory linear in the context."""
+    b, hq, tq, _ = q.shape
+    keys = k.shape[2] if kv_slots is None else cache_keys
+    step = max(Q_BLOCK, max_scores // max(1, b * hq * keys) // Q_BLOCK * Q_BLOCK)
+    if step >= tq:
+        return _attention_cpu_pass(
+            q, k, v, causal, split, q_positions, kv_lengths, scale, kv_slots, cache_keys, kv_origins
+        )
+    rest = (kv_lengths, scale, kv_slots, cache_keys, kv_origins)
+    parts = [
+        _attention_cpu_pass(
+            q[:, :, lo : lo + step], k, v, causal, split, q_positions[:, lo : lo + step], *rest
+        )
+        for lo in range(0, tq, step)
+    ]
+    return torch.cat(parts, dim=2)
+
+
+def _attention_cpu_pass(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
