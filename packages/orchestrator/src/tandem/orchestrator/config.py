@@ -209,6 +209,23 @@ class CurriculumConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         _require(0 < self.keep <= 1, "keep", "must be in (0, 1] (0 would never look again)")
 
 
+class CategoryBalanceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Category-balanced advantages (`rl.category_balance`): each group's training rewards
+    scaled by how far its task category's running reward is below the mean category's
+    (``cap``: the largest weight and one over the smallest; ``ema``: a new group's share of
+    its category's running reward; ``floor``: the least running reward divided by)."""
+
+    enabled: bool = False
+    cap: float = 4.0
+    ema: float = 0.2
+    floor: float = 0.02
+
+    def __post_init__(self) -> None:
+        _require(self.cap >= 1, "cap", "must be >= 1 (1: every weight is 1)")
+        _require(0 < self.ema <= 1, "ema", "must be in (0, 1]")
+        _require(0 < self.floor <= 1, "floor", "must be in (0, 1] (rewards are pass rates)")
+
+
 class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The asynchronous (or synchronous) GRPO stage.
 
@@ -250,6 +267,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool_error_penalty: float = 0.0
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     curriculum: CurriculumConfig = msgspec.field(default_factory=CurriculumConfig)
+    category_balance: CategoryBalanceConfig = msgspec.field(default_factory=CategoryBalanceConfig)
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", "must be >= 1")

@@ -4,8 +4,10 @@ Every schedule gets its groups here. A group whose episodes were cut or whose sa
 is dropped whole (nothing partial reaches the trainer); so is one an infrastructure fault
 touched, since its rewards say nothing about the policy. The reward hook, when set, replaces
 the environment's reward; ``tool_error_penalty`` then charges each failed call, after the
-category rewards are recorded (they stay the environment's). The counters are the run's, and so is the reward of each task
-category over every group played (`CategoryRewards`, equal-reward groups included).
+category rewards are recorded (they stay the environment's), and ``balance`` then scales the
+group's training rewards by its category's weight (`CategoryBalance`). The counters are the
+run's, and so is the reward of each task category over every group played
+(`CategoryRewards`, equal-reward groups included).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import structlog
 
 from tandem.orchestrator.protocols import Rollouts, TaskCursor, WorkerLost
+from tandem.orchestrator.rl.category_balance import CategoryBalance
 from tandem.orchestrator.rl.category_rewards import CategoryRewards
 from tandem.orchestrator.rl.hooks import RunHooks
 from tandem.orchestrator.rl.signal import SignalFilter
@@ -34,12 +37,14 @@ class GroupSource:
         hooks: RunHooks,
         train_failed: bool = False,
         tool_error_penalty: float = 0.0,
+        balance: CategoryBalance | None = None,
     ) -> None:
         self.rollouts = rollouts
         self.cursor = cursor
         self.hooks = hooks
         self.signal = SignalFilter(train_failed)
         self.tool_error_penalty = tool_error_penalty
+        self.balance = balance
         self.categories = CategoryRewards()
         self.trajectories = 0
         self.requeued = 0
@@ -62,10 +67,15 @@ class GroupSource:
         if any(s.infra_fault for s in samples):
             log.warning("rl.group_dropped", reason="infrastructure fault", task=task_id)
             return None
-        self.categories.record(self.cursor.category(index), [s.reward for s in samples])
-        if self.tool_error_penalty:
-            for s in samples:
-                s.reward -= self.tool_error_penalty * s.tool_errors
+        category = self.cursor.category(index)
+        self.categories.record(category, [s.reward for s in samples])
+        weight = (
+            1.0
+            if self.balance is None
+            else self.balance.weight(category, [s.reward for s in samples])
+        )
+        for s in samples:
+            s.reward = weight * (s.reward - self.tool_error_penalty * s.tool_errors)
         group = Group(samples=list(samples), policy_version=group_version(samples))
         if self.hooks.on_group is not None:
             self.hooks.on_group(group)

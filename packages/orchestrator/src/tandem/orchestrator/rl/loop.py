@@ -35,6 +35,7 @@ from tandem.orchestrator.protocols import (
     TaskCursor,
     Trainer,
 )
+from tandem.orchestrator.rl.category_balance import CategoryBalance
 from tandem.orchestrator.rl.groups import GroupSource
 from tandem.orchestrator.rl.hooks import RunHooks
 from tandem.orchestrator.rl.publishing import Publishing
@@ -207,8 +208,14 @@ class RLRun:
         self.publishing = Publishing(
             backend.sink, backend.trainer, rollouts, lambda: self.version, self.hooks
         )
+        balance = self.rl.category_balance
         source = GroupSource(
-            rollouts, self.cursor, self.hooks, self.train_failed_groups, self.rl.tool_error_penalty
+            rollouts,
+            self.cursor,
+            self.hooks,
+            self.train_failed_groups,
+            self.rl.tool_error_penalty,
+            CategoryBalance(balance) if balance.enabled else None,
         )
         staleness = StalenessStats()
         schedule = make_schedule(
@@ -283,6 +290,8 @@ class RLRun:
                     },
                 )
                 stats["category_reward"] = source.categories.take()
+                if source.balance is not None:
+                    stats["category_weight"] = source.balance.weights()
                 now = time.perf_counter()
                 stats["rollout_tokens_per_s"] = (
                     stats["rollout_tokens_sampled"] - rollout_tok0

@@ -28,6 +28,7 @@ def log_step(step: int, stats: dict[str, Any]) -> None:
         category_reward={
             c: row["reward"] for c, row in (stats.get("category_reward") or {}).items()
         },
+        category_weight=stats.get("category_weight"),
         mismatch_max=stats.get("mismatch_max_abs"),
         routing_free=r("routing_agreement_free", 4),
         staleness=stats.get("staleness_histogram"),
