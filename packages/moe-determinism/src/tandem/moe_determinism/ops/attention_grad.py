@@ -109,25 +109,37 @@ def _one_row(
         gq, gk, gv = _fused(grad, q.contiguous(), kc, vc, None, True, scale)
     else:  # an explicit mask, a range of queries at a time: [rows, Tk] floats each
         step = max(1, MASK_ELEMENTS // tk)
-        gq, gk, gv = torch.empty_like(q), torch.zeros_like(kc), torch.zeros_like(vc)
-        for lo in range(0, tq, step):
-            p = pos[lo : lo + step]
-            visible = (keys[None, :] <= p[:, None]) & (keys[None, :] < kv_length)
-            visible[:, 0] |= ~visible.any(-1)  # a row that sees nothing keeps key 0, as forward
-            mask = torch.zeros(1, 1, p.shape[0], tk, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(~visible, float("-inf"))
-            part = _fused(
-                grad[:, :, lo : lo + step], q[:, :, lo : lo + step].contiguous(), kc, vc, mask,
-                False, scale,
-            )  # fmt: skip
-            gq[:, :, lo : lo + step] = part[0]
-            gk += part[1]
-            gv += part[2]
+        parts = [
+            _fused(
+                grad[:, :, lo : lo + step],
+                q[:, :, lo : lo + step].contiguous(),
+                kc,
+                vc,
+                _mask(pos[lo : lo + step], keys, kv_length, q.dtype),
+                False,
+                scale,
+            )
+            for lo in range(0, tq, step)
+        ]
+        gq = torch.cat([p[0] for p in parts], dim=2)
+        gk, gv = parts[0][1], parts[0][2]
+        for p in parts[1:]:  # the keys' and values' gradients add up over the query ranges
+            gk, gv = gk + p[1], gv + p[2]
     if group > 1:
         hkv = k.shape[1]
         gk = gk.view(1, hkv, group, tk, k.shape[-1]).sum(2)
         gv = gv.view(1, hkv, group, tk, v.shape[-1]).sum(2)
     return gq, gk, gv
+
+
+def _mask(
+    pos: torch.Tensor, keys: torch.Tensor, kv_length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask [1, 1, len(pos), len(keys)] of queries at ``pos``."""
+    visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_length)
+    visible[:, 0] |= ~visible.any(-1)  # a row that sees nothing keeps key 0, as forward
+    mask = torch.zeros(1, 1, pos.shape[0], keys.shape[0], dtype=dtype, device=pos.device)
+    return mask.masked_fill_(~visible, float("-inf"))
 
 
 def _fused(
