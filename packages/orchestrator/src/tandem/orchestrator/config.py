@@ -210,10 +210,9 @@ class CurriculumConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 class CategoryBalanceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Category-balanced advantages (`rl.category_balance`): each group's training rewards
-    scaled by how far its task category's running reward is below the mean category's
-    (``cap``: the largest weight and one over the smallest; ``ema``: a new group's share of
-    its category's running reward; ``floor``: the least running reward divided by)."""
+    """`rl.category_balance`: a group's training rewards scaled by the mean category's running
+    reward over its own category's (``cap``: the largest weight, one over the smallest;
+    ``ema``: a new group's share of the running reward; ``floor``: the least divisor)."""
 
     enabled: bool = False
     cap: float = 4.0
