@@ -210,9 +210,8 @@ class CurriculumConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 class CategoryBalanceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """`rl.category_balance`: a group's training rewards scaled by the mean category's running
-    reward over its own category's (``cap``: the largest weight, one over the smallest;
-    ``ema``: a new group's share of the running reward; ``floor``: the least divisor)."""
+    """`rl.category_balance` (`rl/category_balance.py`: the weights, ``cap`` the largest and
+    one over the smallest, ``ema`` a group's share of the running reward, ``floor``)."""
 
     enabled: bool = False
     cap: float = 4.0

@@ -39,9 +39,8 @@ Q_BLOCK = 16
 KV_SPLIT_SIZE = 64
 """Default keys per split."""
 MAX_SCORES = 1 << 24
-"""Scores (batch x query heads x queries x keys) per pass of the CPU path: longer work is
-done a range of queries at a time, so its gathered key and value blocks stay about 0.5 GB
-(at head dim 64) instead of growing with the context's square (8 GB a layer at 16k)."""
+"""Scores (batch x query heads x queries x keys) per pass of the CPU path, so its gathered
+key and value blocks stay about 0.5 GB, not the context's square (8 GB a layer at 16k)."""
 
 
 def _check_shapes(
