@@ -274,10 +274,6 @@ def _attention_cpu(
     b, hq, tq, _ = q.shape
     keys = k.shape[2] if kv_slots is None else cache_keys
     step = max(Q_BLOCK, max_scores // max(1, b * hq * keys) // Q_BLOCK * Q_BLOCK)
-    if step >= tq:
-        return _attention_cpu_pass(
-            q, k, v, causal, split, q_positions, kv_lengths, scale, kv_slots, cache_keys, kv_origins
-        )
     rest = (kv_lengths, scale, kv_slots, cache_keys, kv_origins)
     parts = [
         _attention_cpu_pass(
@@ -285,7 +281,7 @@ def _attention_cpu(
         )
         for lo in range(0, tq, step)
     ]
-    return torch.cat(parts, dim=2)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 def _attention_cpu_pass(

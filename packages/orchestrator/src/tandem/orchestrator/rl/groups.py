@@ -67,13 +67,9 @@ class GroupSource:
         if any(s.infra_fault for s in samples):
             log.warning("rl.group_dropped", reason="infrastructure fault", task=task_id)
             return None
-        category = self.cursor.category(index)
-        self.categories.record(category, [s.reward for s in samples])
-        weight = (
-            1.0
-            if self.balance is None
-            else self.balance.weight(category, [s.reward for s in samples])
-        )
+        category, rewards = self.cursor.category(index), [s.reward for s in samples]
+        self.categories.record(category, rewards)
+        weight = 1.0 if self.balance is None else self.balance.weight(category, rewards)
         for s in samples:
             s.reward = weight * (s.reward - self.tool_error_penalty * s.tool_errors)
         group = Group(samples=list(samples), policy_version=group_version(samples))
