@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 
 import pytest
 from group_stubs import StubCursor, StubRollouts
+from rl_helpers import tiny_run
 
-from tandem.orchestrator.config import CategoryBalanceConfig, ConfigValueError, RLConfig
+from tandem.orchestrator.artifacts.checkpoint import CheckpointManager
+from tandem.orchestrator.config import (
+    CategoryBalanceConfig,
+    ConfigValueError,
+    RLConfig,
+    TaskConfig,
+)
 from tandem.orchestrator.rl.category_balance import CategoryBalance
 from tandem.orchestrator.rl.groups import GroupSource
 from tandem.orchestrator.rl.hooks import RunHooks
+from tandem.orchestrator.rollout.tasks import TaskSource, task_category
+from tandem.orchestrator.wire import Group
 
 
 def _reference_weight(history: list[tuple[str, float]], category: str, cfg) -> float:
@@ -93,3 +103,54 @@ def test_training_rewards_are_scaled_and_the_category_table_is_not() -> None:
 def test_bad_settings_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ConfigValueError, match=field):
         RLConfig(category_balance=CategoryBalanceConfig(enabled=True, **{field: value}))
+
+
+def test_a_resumed_run_weighs_groups_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The running means go into the checkpoint and come back: the resumed run's groups get
+    the weights a replay of every group since the first step gives."""
+    source = TaskSource(TaskConfig(functions=["gcd", "digit_sum"]), 1)
+    categories = {t.id: task_category(t) for t in source.take(0, 300)}
+    names = sorted(set(categories.values()))
+    raw: list[float] = []  # the current group's rewards so far
+    played: list[tuple[str, list[float], list[float]]] = []  # category, raw, trained rewards
+
+    def reward(sample) -> float:  # a group's samples in turn: 1, 0, 0 or 1, 1, 0 by category
+        raw.append(float(len(raw) < 1 + names.index(categories[sample.task_id]) % 2))
+        return raw[-1]
+
+    def on_group(group: Group) -> None:
+        trained = [s.reward for s in group.samples]
+        played.append((categories[group.samples[0].task_id], raw[:], trained))
+        raw.clear()
+
+    def run(steps: int, run_dir: Path) -> None:
+        rl = RLConfig(
+            mode="sync",
+            steps=steps,
+            group_size=3,
+            groups_per_step=2,
+            checkpoint_every=1,
+            category_balance=CategoryBalanceConfig(enabled=True, cap=3.0),
+        )
+        tiny_run(run_dir, rl, RunHooks(reward=reward, on_group=on_group), tasks=source).run()
+
+    run_dir = tmp_path / "run"
+    run(2, run_dir)
+    first = len(played)
+    saved = CheckpointManager(run_dir / "checkpoints").load(restore_rngs=False).meta.extra
+    run(3, run_dir)
+    cfg = CategoryBalanceConfig(enabled=True, cap=3.0)
+    replay = CategoryBalance(cfg)
+    for i, (category, rewards, trained) in enumerate(played):
+        weight = replay.weight(category, rewards)
+        assert trained == pytest.approx([weight * r for r in rewards], rel=1e-12), i
+        if i == first - 1:
+            assert saved["category_balance"] == pytest.approx(replay.state(), rel=1e-12)
+    assert len(played) > first and len({c for c, _, _ in played}) > 1
+    assert any(w != 1.0 for w in replay.weights().values())
+
+
+def test_a_bad_saved_state_is_named() -> None:
+    balance = CategoryBalance(CategoryBalanceConfig(enabled=True))
+    with pytest.raises(ValueError, match="category balance state"):
+        balance.load({"gcd/off_by_one": "high"})

@@ -13,7 +13,9 @@ them; the equal-reward filter does not see the scale):
 
 with R_c a running mean (an exponential moving average over its groups, ``ema`` the new
 group's share) of category c's environment rewards. Rewards are meant to be pass rates in
-[0, 1]; a category whose mean is at or below ``floor`` counts as ``floor``.
+[0, 1]; a category whose mean is at or below ``floor`` counts as ``floor``. The running means
+are part of a run's checkpoint (`state`, `load`): a resumed run weighs its next groups as
+the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -43,6 +45,17 @@ class CategoryBalance:
         average = sum(self._mean.values()) / len(self._mean)
         ratio = average / max(self._mean[category], c.floor)
         return min(c.cap, max(1 / c.cap, ratio))
+
+    def state(self) -> dict[str, float]:
+        """The running mean reward of every category seen, for a checkpoint."""
+        return dict(self._mean)
+
+    def load(self, state: dict[str, float]) -> None:
+        """Continue from a checkpoint's `state`."""
+        bad = {k: v for k, v in state.items() if not isinstance(v, (int, float))}
+        if bad:
+            raise ValueError(f"category balance state: running means must be numbers, got {bad}")
+        self._mean = {str(k): float(v) for k, v in state.items()}
 
     def weights(self) -> dict[str, float]:
         """Every seen category's weight now, for the step's line."""

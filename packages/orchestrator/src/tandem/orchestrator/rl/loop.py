@@ -7,7 +7,8 @@ engines and the trainer live the backend's (built by the factory the run is give
 imports only their protocols, the wire types and the config.
 
 Checkpoints every ``checkpoint_every`` steps hold the weights, the optimizer, the policy
-version, the task cursor and the RNGs; a run killed at any instant (SIGKILL included)
+version, the task cursor (with the curriculum's and the category balance's running state)
+and the RNGs; a run killed at any instant (SIGKILL included)
 resumes from the last one with no repeated or skipped step, on a fresh weight stream. A run
 asked to stop (`RunHooks.stop_signals`) finishes the step in training or abandons the one
 waiting for groups, and checkpoints the last finished step before it returns.
@@ -81,6 +82,8 @@ class RLRun:
         self.progress = progress
         self.max_wall_s = max_wall_s
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=rl.keep_checkpoints)
+        balance = rl.category_balance
+        self.balance = CategoryBalance(balance) if balance.enabled else None
         self.step = self.version = self.stream = 0
         self.busy_s = self.wait_s = 0.0
         self.signal_at = 0.0  # when the first stop signal came
@@ -102,6 +105,8 @@ class RLRun:
             self.cursor.load(
                 {"cursor": meta.task_cursor, "curriculum": meta.extra.get("curriculum", {})}
             )
+            if self.balance is not None:
+                self.balance.load(meta.extra.get("category_balance", {}))
             start = BackendStart(
                 version=self.version,
                 stream=self.stream,
@@ -165,7 +170,11 @@ class RLRun:
             optimizer_state=optimizer_state,
             policy_version=self.version,
             task_cursor=cursor["cursor"],
-            extra={"stream": self.stream, "curriculum": cursor["curriculum"]},
+            extra={
+                "stream": self.stream,
+                "curriculum": cursor["curriculum"],
+                **({} if self.balance is None else {"category_balance": self.balance.state()}),
+            },
         )
 
     def _catch_signals(self, stop: asyncio.Event) -> list[int]:
@@ -208,14 +217,13 @@ class RLRun:
         self.publishing = Publishing(
             backend.sink, backend.trainer, rollouts, lambda: self.version, self.hooks
         )
-        balance = self.rl.category_balance
         source = GroupSource(
             rollouts,
             self.cursor,
             self.hooks,
             self.train_failed_groups,
             self.rl.tool_error_penalty,
-            CategoryBalance(balance) if balance.enabled else None,
+            self.balance,
         )
         staleness = StalenessStats()
         schedule = make_schedule(
