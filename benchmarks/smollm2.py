@@ -72,7 +72,8 @@ def default_model() -> Path:
 
 def task_prompts(model_dir: Path, start: int, count: int, *, tools: bool = True) -> list[list[int]]:
     """Tasks ``start``.. of the training seed, rendered as an episode's first prompt."""
-    from tandem.agent_env.env import DEFAULT_SYSTEM_PROMPT, Env
+    from tandem.agent_env import Env
+    from tandem.agent_env.opening import DEFAULT_SYSTEM_PROMPT
     from tandem.orchestrator.config import TaskConfig
     from tandem.orchestrator.inference.formats import chat_format_for
     from tandem.orchestrator.rollout.tasks import TaskSource

@@ -65,3 +65,36 @@ def test_the_run_config_loads_without_torch() -> None:
         "assert c.env.sandbox.limits.pids > 0"
     )
     assert not torch_loaded_after(code), "loading the run config imported torch"
+
+
+def _tandem_imports(path: Path) -> list[tuple[str, str, int]]:
+    """Every ``from tandem.x import name`` in ``path``, at any depth (the benchmarks import
+    inside their stages, so an import error shows only when that stage runs)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tandem."):
+            found += [(node.module, alias.name, node.lineno) for alias in node.names]
+    return found
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")), ids=str
+)
+def test_every_benchmark_imports_names_that_exist(script: str) -> None:
+    """The benchmarks run outside the suite; a name moved in a library must not break them
+    silently. (A module name that fails to import is a failure too.)"""
+    missing = []
+    for module, name, line in _tandem_imports(ROOT / "benchmarks" / script):
+        try:
+            imported = import_module(module)
+        except ImportError as e:
+            missing.append(f"line {line}: {module} ({e})")
+            continue
+        if not hasattr(imported, name):
+            try:
+                import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"line {line}: {module}.{name}")
+    assert not missing, f"benchmarks/{script} imports what does not exist: {missing}"
