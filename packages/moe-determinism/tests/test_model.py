@@ -44,11 +44,11 @@ def _seqs() -> list[torch.Tensor]:
 
 
 def _staggered_decode(
-    m: MoETransformer, seqs: list[torch.Tensor]
+    m: MoETransformer, seqs: list[torch.Tensor], max_len: int = 64
 ) -> tuple[list[torch.Tensor], list[RoutingTrace]]:
     """Sequences join at different times (prefill of a first turn), then decode token by token
     in one batch; sequence 2 gets its second turn appended as a 6-token chunk."""
-    cache = m.new_cache(max_slots=4, max_len=64)
+    cache = m.new_cache(max_slots=4, max_len=max_len)
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
     traces: list[list[RoutingTrace]] = [[] for _ in seqs]
     pos = [0] * len(seqs)
@@ -196,6 +196,32 @@ def test_replay_misuse_raises() -> None:
             fresh.take(0)
         with pytest.raises(MoEDeterminismError, match="never replayed"):
             fresh.finish()
+
+
+@pytest.mark.parametrize("max_len", [37, 50, 63])
+def test_a_cache_of_any_length_is_read_in_place(max_len: int, monkeypatch) -> None:
+    """A cache whose length is not a whole number of KV splits is stored in whole splits, so
+    the invariant attention reads every step's keys from it in place (it copied every row's
+    keys out first, each step, before), with the bits of a cache of whole splits."""
+    from tandem.moe_determinism.ops import split_attention
+
+    passes = []
+    real = split_attention._attention_cpu_pass
+
+    def spy(*args, **kw):
+        passes.append(args[8] if len(args) > 8 else kw.get("kv_slots"))
+        return real(*args, **kw)
+
+    m, seqs = _model(), _seqs()
+    assert m.new_cache(2, max_len).keys[0].shape[2] % CFG.kv_split_size == 0
+    with batch_invariant():
+        whole, whole_traces = _staggered_decode(m, seqs, max_len=64)
+        monkeypatch.setattr(split_attention, "_attention_cpu_pass", spy)
+        got, traces = _staggered_decode(m, seqs, max_len=max_len)
+    assert passes and all(slots is not None for slots in passes)
+    for a, b in zip(got, whole, strict=True):
+        assert torch.equal(a, b)
+    assert traces == whole_traces
 
 
 def test_bad_inputs_raise() -> None:

@@ -30,7 +30,12 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (max_slots, config.kv_heads, max_len, config.attn_head_dim)
+        self.split = config.kv_split_size
+        splits = -(-max_len // self.split)
+        # Storage in whole splits: batch-invariant attention reads a slot's splits straight
+        # from the cache only when its length is a whole number of splits (otherwise it
+        # copies every row's keys out first, each step). Positions past max_len stay unused.
+        shape = (max_slots, config.kv_heads, splits * self.split, config.attn_head_dim)
         self.keys = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
         ]
@@ -39,8 +44,6 @@ class KVCache:
         ]
         self.lengths = torch.zeros(max_slots, dtype=torch.long)
         self.max_slots, self.max_len = max_slots, max_len
-        self.split = config.kv_split_size
-        splits = -(-max_len // self.split)
         # origins[i, s]: a slot whose split s holds the bits of slot i's split s (i itself
         # unless a copy made them equal); only ever another slot for a split both hold whole.
         self.origins = torch.arange(max_slots)[:, None].repeat(1, splits)
