@@ -127,3 +127,38 @@ def test_backward_through_the_tile_products(threads: int) -> None:
     loss(*stock).backward()
     for ours, ref in zip(leaves, stock, strict=True):
         torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("d", "transposed"), [(64, True), (24, True), (64, False), (24, False)])
+@pytest.mark.parametrize("items", [5, 16, 53, 200])
+def test_indexed_products_have_the_bits_of_the_gathered_batch(
+    threads: int, dtype: torch.dtype, d: int, transposed: bool, items: int
+) -> None:
+    """`fixed_shape_bmm_indexed` reads each item's block where it lies (runs of one block, as
+    sorted attention pairs give, and mixed windows): the bits of `fixed_shape_bmm` on the
+    gathered blocks, and the products of a float64 reference. d 24: rows the caches hold
+    unaligned; items 5: fewer than one batched call."""
+    from tandem.moe_determinism.ops import workers
+
+    gen = torch.Generator().manual_seed(items * 7 + d)
+    source = torch.randn(11, 64, d, generator=gen).to(dtype)  # [blocks, split, d]
+    runs = torch.randint(0, 11, (items // 7 + 1,), generator=gen).repeat_interleave(7)
+    # a run of 20 (whole windows of one block), then runs of 7 (mixed windows)
+    index = torch.cat([torch.full((20,), 3), runs])[:items]
+    a = torch.randn(items, 16, d if transposed else 64, generator=gen).to(dtype)
+    before, shared = torch.get_num_threads(), workers.SHARED_WORK
+    torch.set_num_threads(threads)
+    workers.SHARED_WORK = 0
+    try:
+        got = gemm.fixed_shape_bmm_indexed(a, source, index, transposed=transposed)
+        blocks = source.index_select(0, index)
+        want = gemm.fixed_shape_bmm(a, blocks.transpose(1, 2) if transposed else blocks)
+    finally:
+        torch.set_num_threads(before)
+        workers.SHARED_WORK = shared
+    assert torch.equal(got, want)
+    b = blocks.double().transpose(1, 2) if transposed else blocks.double()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double(), a.double() @ b, rtol=tol, atol=tol * 8)

@@ -86,6 +86,24 @@ def _fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fixed_shape_bmm_indexed(
+    a: torch.Tensor, source: torch.Tensor, index: torch.Tensor, *, transposed: bool = False
+) -> torch.Tensor:
+    """`fixed_shape_bmm(a, b)` with b[p] = source[index[p]] (transposed: its transpose),
+    without the copy of every item's right operand: on the CPU, items that read one block
+    (``index`` sorted puts them together) multiply it in place, with the bits of the
+    gathered batch (`tiles.indexed_jobs`). No autograd graph: for inference and forwards
+    whose gradient comes from elsewhere."""
+    cols = source.shape[1] if transposed else source.shape[2]
+    if a.is_cuda or a.shape[0] < tiles.BATCH or a.shape[2] > tiles.K_TILE:
+        b = source.index_select(0, index)
+        return _fixed_bmm(a, b.transpose(1, 2) if transposed else b)
+    out = torch.empty(a.shape[0], a.shape[1], cols, dtype=a.dtype, device=a.device)
+    jobs = tiles.indexed_jobs(a, source, index, out, transposed)
+    workers.run_parallel(jobs, a.numel() * cols)
+    return out
+
+
 class _FixedBmm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

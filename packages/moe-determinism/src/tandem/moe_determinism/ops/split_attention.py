@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.ops import attention_grad, attention_parts
-from tandem.moe_determinism.ops.gemm import fixed_shape_bmm, needs_graph
-from tandem.moe_determinism.ops.reduction import fixed_sum, tree_sum
+from tandem.moe_determinism.ops.gemm import fixed_shape_bmm, fixed_shape_bmm_indexed, needs_graph
+from tandem.moe_determinism.ops.reduction import fixed_sum
 from tandem.moe_determinism.ops.shared_splits import SharedSplits
+from tandem.moe_determinism.ops.split_grid import GatherBlocks, SplitTreeSum
 
 Q_BLOCK = 16
 """Query rows (heads x queries of one KV head) per fixed-shape GEMM block."""
@@ -206,53 +207,6 @@ def _visible_prefix(
     return limit
 
 
-class _GatherBlocks(torch.autograd.Function):
-    """`source.index_select(0, index)` whose backward accumulates with `index_add_` on 2-D
-    views (torch's own formula on the 3-D blocks is several times slower on the CPU)."""
-
-    @staticmethod
-    def forward(ctx, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(index)
-        ctx.rows = source.shape[0]
-        return source.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (index,) = ctx.saved_tensors
-        # On 2-D views: torch's CPU index_add_ is several times faster on [rows, features].
-        out = grad.new_zeros(ctx.rows, grad[0].numel())
-        out.index_add_(0, index, grad.reshape(grad.shape[0], -1))
-        return out.view(ctx.rows, *grad.shape[1:]), None
-
-
-class _SplitTreeSum(torch.autograd.Function):
-    """Per-pair values -> their fixed tree sum over all splits of each query block.
-
-    Forward places the values in a zero-filled dense [blocks, n_sp, ...] grid and applies
-    `tree_sum` over the splits: the reduction order of the dense computation, skipped pairs
-    being its exact zeros. Backward: every leaf of a sum has derivative one, so a pair's
-    gradient is its block's output gradient (exact, no graph through the tree)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        values: torch.Tensor,
-        pair: torch.Tensor,
-        block_of: torch.Tensor,
-        blocks: int,
-        n_sp: int,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(block_of)
-        grid = values.new_zeros(blocks * n_sp, *values.shape[1:])
-        grid.index_copy_(0, pair, values)
-        return tree_sum(grid.view(blocks, n_sp, *values.shape[1:]), dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
-        (block_of,) = ctx.saved_tensors
-        return grad.index_select(0, block_of), None, None, None, None
-
-
 def _attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -313,12 +267,14 @@ def _attention_cpu_pass(
     zeros, keeping its fixed shape.
 
     With ``kv_slots`` (k and v a slot cache whose length is a whole number of splits), the
-    key and value splits are gathered from the cache rows of the batch's slots, as if the
-    first ``cache_keys`` keys of those rows had been copied out first: the same blocks, the
-    same grid, the same bits, one copy fewer. With ``kv_origins`` as well, a row reads each
-    split from the slot its origin names, and the rows of one block (decoding) that read the
-    same split are stacked into shared GEMM blocks (`SharedSplits`): a GRPO group's samples
-    read their common prompt once per step instead of once each.
+    key and value splits are read from the cache rows of the batch's slots, as if the first
+    ``cache_keys`` keys of those rows had been copied out first: the same blocks, the same
+    bits. With ``kv_origins`` as well, a row reads each split from the slot its origin
+    names, and the rows of one block (decoding) that read the same split are stacked into
+    shared GEMM blocks (`SharedSplits`): a GRPO group's samples read their common prompt
+    once per step instead of once each. Otherwise, when no graph is recorded, the pairs of
+    one split are put side by side and their GEMMs read it in place
+    (`fixed_shape_bmm_indexed`) instead of each gathering a copy of its keys and values.
     """
     b, hq, tq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
@@ -350,6 +306,13 @@ def _attention_cpu_pass(
         else:  # the slot whose split holds the same bits, shared by the rows that share it
             slot_of = kv_origins.to(dev)[head_of // hkv, sp_of]
         kv_block_of = (slot_of * hkv + head_of % hkv) * (k.shape[2] // split) + sp_of
+    shared_rows = kv_origins is not None and n_rb == 1 and 2 * live <= Q_BLOCK
+    in_place = not shared_rows and not needs_graph(q, k, v)
+    if in_place:  # the pairs of one KV split next to each other: its GEMMs read it in place
+        order = torch.argsort(kv_block_of, stable=True)
+        pair, sp_of, block_of, kv_block_of = (
+            t[order] for t in (pair, sp_of, block_of, kv_block_of)
+        )
     row_limit = limit.view(b, 1, n_rb, Q_BLOCK).expand(b, hkv, n_rb, Q_BLOCK)
     row_limit = row_limit.reshape(-1, Q_BLOCK)[:, :live].index_select(0, block_of)
 
@@ -358,14 +321,16 @@ def _attention_cpu_pass(
     if keys_p > tk and kv_slots is None:
         k, v = F.pad(k, (0, 0, 0, keys_p - tk)), F.pad(v, (0, 0, 0, keys_p - tk))
     kp, vp = k.reshape(-1, split, d), v.reshape(-1, split, dv)
-    q_blk = _GatherBlocks.apply(qr, block_of)
+    q_blk = GatherBlocks.apply(qr, block_of)
     shared = None
-    if kv_origins is not None and n_rb == 1 and 2 * live <= Q_BLOCK:
+    if shared_rows:
         shared = SharedSplits.build(kv_block_of, live, Q_BLOCK)
-        k_blk = _GatherBlocks.apply(kp, shared.kv_block)
+        k_blk = GatherBlocks.apply(kp, shared.kv_block)
         scores = shared.unpack(fixed_shape_bmm(shared.pack(q_blk[:, :live]), k_blk.mT))
+    elif in_place:
+        scores = fixed_shape_bmm_indexed(q_blk, kp, kv_block_of, transposed=True)
     else:
-        k_blk = _GatherBlocks.apply(kp, kv_block_of)
+        k_blk = GatherBlocks.apply(kp, kv_block_of)
         scores = fixed_shape_bmm(q_blk, k_blk.transpose(1, 2))  # fixed [Q_BLOCK, D] @ [D, split]
     scores = scores[:, :live].to(acc_dtype) * scale
     keys = sp_of[:, None] * split + torch.arange(split, device=dev)[None, :]
@@ -381,16 +346,19 @@ def _attention_cpu_pass(
     p = (scores - m.index_select(0, block_of)[:, :, None]).exp_()  # one fresh buffer
 
     # Per-split fixed sums and partial outputs, reduced over splits by the dense grid's tree.
-    denom = _SplitTreeSum.apply(fixed_sum(p, -1), pair, block_of, blocks, n_sp)
+    denom = SplitTreeSum.apply(fixed_sum(p, -1), pair, block_of, blocks, n_sp)
     p_blk = p.to(q.dtype)
     if shared is not None:
-        v_blk = _GatherBlocks.apply(vp, shared.kv_block)
+        v_blk = GatherBlocks.apply(vp, shared.kv_block)
         partial = shared.unpack(fixed_shape_bmm(shared.pack(p_blk), v_blk)).to(acc_dtype)
     else:
-        v_blk = _GatherBlocks.apply(vp, kv_block_of)
         if live < Q_BLOCK:  # the second GEMM keeps its fixed shape: padding rows back, as zeros
             p_blk = F.pad(p_blk, (0, 0, 0, Q_BLOCK - live))
-        partial = fixed_shape_bmm(p_blk, v_blk)[:, :live].to(acc_dtype)  # [n_act, live, dv]
-    out = _SplitTreeSum.apply(partial, pair, block_of, blocks, n_sp) / denom[..., None]
+        if in_place:
+            partial = fixed_shape_bmm_indexed(p_blk, vp, kv_block_of)
+        else:
+            partial = fixed_shape_bmm(p_blk, GatherBlocks.apply(vp, kv_block_of))
+        partial = partial[:, :live].to(acc_dtype)  # [n_act, live, dv]
+    out = SplitTreeSum.apply(partial, pair, block_of, blocks, n_sp) / denom[..., None]
     out = out.view(b, hkv, n_rb * live, dv)[:, :, :rows]
     return out.reshape(b, hq, tq, dv).to(q.dtype)

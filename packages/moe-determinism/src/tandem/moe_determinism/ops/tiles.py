@@ -189,6 +189,53 @@ def tile_jobs(
     return [_tile_job(a, b, out, rng, cols, products) for cols in col_tiles for rng in ranges]
 
 
+def indexed_jobs(
+    a: torch.Tensor, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor, transposed: bool
+) -> list[Callable[[], None]]:
+    """Jobs for out[p] = a[p] @ B[p], B[p] = source[index[p]] (its transpose with
+    ``transposed``): `tile_jobs(batched=True)`'s products, exactly `BATCH` items per call in
+    the same windows, without gathering every item's right operand first. A window whose
+    items all read one block multiplies a stride-0 view of that block; any other window
+    gathers its own `BATCH` blocks. Each item's operands and their layouts are those of the
+    gathered batch (`aligned_items`), so its bits are too. Needs at least `BATCH` items and
+    a reduced dimension of one K tile."""
+    a, source = aligned_rows(a.detach()), source.detach()
+    p = a.shape[0]
+    starts = list(range(0, p - BATCH + 1, BATCH))
+    if p % BATCH:
+        starts.append(p - BATCH)  # the last window overlaps the one before, as in `_batched`
+    windows = index[torch.tensor(starts)[:, None] + torch.arange(BATCH)[None, :]]
+    one_block = (windows == windows[:, :1]).all(1).tolist()
+    first = windows[:, 0].tolist()
+    direct = _aligned(out)
+
+    def operand(w: int) -> torch.Tensor:
+        if one_block[w]:
+            blocks = source[first[w]].expand(BATCH, *source.shape[1:])
+        else:
+            blocks = source.index_select(0, windows[w])
+        return aligned_items(blocks.transpose(1, 2) if transposed else blocks)
+
+    def job(ws: range) -> Callable[[], None]:
+        def run() -> None:
+            for w in ws:
+                lo = starts[w]
+                if direct:
+                    torch.bmm(a[lo : lo + BATCH], operand(w), out=out[lo : lo + BATCH])
+                    continue
+                part = _aligned_empty(BATCH, a.shape[1], out.shape[2], a.dtype)
+                torch.bmm(a[lo : lo + BATCH], operand(w), out=part)
+                out[lo : lo + BATCH] = part
+
+        return run
+
+    threads = workers.tile_threads()
+    ranges = _split(len(starts), 1 if threads == 1 else 2 * threads)
+    if len(ranges) > 1 and ranges[-1][1] - ranges[-1][0] == 1 and p % BATCH:
+        ranges[-2:] = [(ranges[-2][0], ranges[-1][1])]  # overlapping windows: one thread
+    return [job(range(lo, hi)) for lo, hi in ranges]
+
+
 ALIGN_BYTES = 64
 """Every row of a tile starts on a 64-byte boundary. Some kernels peel an unaligned head off
 a row before their vector loop, so a row's sum order would follow its address: with MKL,
