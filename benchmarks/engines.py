@@ -32,10 +32,11 @@ from pathlib import Path
 
 import msgspec
 import torch
+from weight_update import publish_update
 
 from tandem.app.config import load_config
 from tandem.app.pipeline_config import PipelineConfig
-from tandem.delta_sync import LocalStore, Publisher, Subscriber
+from tandem.delta_sync import LocalStore, Subscriber
 from tandem.moe_determinism import MoETransformer, batch_invariant, routing_agreement
 from tandem.moe_determinism.model.hf import hf_layout, save_hf
 from tandem.orchestrator import build_model, load_policy
@@ -52,16 +53,6 @@ from tandem.orchestrator.rollout.tasks import TaskSource
 from tandem.orchestrator.training.collate import collate
 from tandem.orchestrator.training.scoring import routes_known, score
 from tandem.orchestrator.wire import Sample
-
-
-def perturbed(model: MoETransformer, seed: int) -> dict[str, torch.Tensor]:
-    """The policy's state with about 3% of every tensor's elements changed."""
-    g = torch.Generator().manual_seed(seed)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for t in state.values():
-        mask = torch.rand(t.shape, generator=g) < 0.03
-        t[mask] += 0.01 * torch.randn(t.shape, generator=g)[mask]
-    return state
 
 
 def logprob_gap(
@@ -216,10 +207,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-engines-") as tmp:
         work = Path(tmp)
         store = work / "weights"
-        publisher = Publisher(LocalStore(store))
-        publisher.publish(0, {k: v.detach() for k, v in model.state_dict().items()})
-        publisher.publish(1, perturbed(model, args.seed + 1))
-        publisher.close()
+        publish_update(model, store, args.seed + 1)
         rows = {
             "embedded": embedded_side(model, chat, config, tasks, args, store),
             "vllm": vllm_side(model, chat, config, tasks, args, store, work),

@@ -17,6 +17,8 @@ benchmarks/stage_memory.py measures) is its own:
   no stop token. Its 33 slots leave one holding the system message after each run. Prefill:
   until every sequence has its first token; decode tokens/s: the tokens after that over the
   time after that;
+- weight update: the engine then applies a published delta (version 1: about 3% of every
+  tensor's elements changed, `weight_update.py`); prepare (download and decode) and pause;
 - ``trainer``: `RLTrainer.step` (GRPO, R3 replay, AdamW) on 2 groups x ``--group-size``
   samples of ``--train-len`` tokens (a task prompt without the tool list, then random tokens
   as the response, scored once for the rollout log-probs and routes), mean of
@@ -27,7 +29,8 @@ vLLM: a CPU server tandem starts (`VllmServer` in its cached environment, KV cac
 prompts. Turns come back whole, so each set is sent twice from a prefix cache reset to the
 warm-up turn: for 1 token (prefill) and for ``--new-tokens`` (decode tokens/s: the tokens
 past the first over the wall time past the prefill's). The peak RSS of its process tree is
-sampled; its start is reported apart.
+sampled; its start is reported apart. Then the server follows the same store from version 0
+and applies version 1 through tandem's plugin; its pause runs from `/pause` to `/resume`.
 
     uv run python benchmarks/smollm2.py [--model DIR] [--skip-vllm] [--quick]
 """
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from smollm2_vllm import VOCAB, Figures, vllm_side
+from weight_update import embedded_update, publish_update
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -163,6 +167,9 @@ def engine_stage(model_dir: Path, args: argparse.Namespace) -> Figures:
         progress(f"embedded engine: {c} sequence(s) x {args.new_tokens} tokens")
         out[str(c)] = embedded_run(engine, sets[f"run{c}"], args.new_tokens, seed=c)
         progress(f"  {json.dumps(out[str(c)])}")
+    if args.store:
+        out["update"] = embedded_update(engine, args.store)
+        progress(f"  weight update: {json.dumps(out['update'])}")
     return out
 
 
@@ -304,9 +311,14 @@ def report(rows: dict[str, Figures], args: argparse.Namespace) -> None:
         row(f"decode tokens/s, {c} seq", e["decode_tps"], v and v["decode_tps"], ".1f")
         row(f"end to end tokens/s, {c} seq", e["tokens"] / e["wall_s"],
             v and v["tokens"] / v["wall_s"], ".1f")  # fmt: skip
+    up, vup = eng["update"], (vl or {}).get("update")
+    row("weight update: prepare (s)", up["prepare_s"], vup and vup["prepare_s"], ".2f")
+    row("weight update: pause (s)", up["pause_s"], vup and vup["pause_s"], ".2f")
     c = max(args.concurrency)
     row(f"peak RSS, decoding {c} (MiB)", eng["peak_rss"] / MIB, vl and vl["peak_rss"] / MIB, ".0f")
     print(f"\nload model: {load['load_s']:.1f} s, peak RSS {load['peak_rss'] / MIB:.0f} MiB")
+    print(f"weight update: about 3% of every tensor's elements changed, "
+          f"{load['delta_bytes'] / MIB:.1f} MiB to download")  # fmt: skip
     print(f"trainer (RLTrainer.step, {tr['samples']} samples, {tr['tokens']} tokens, "
           f"{tr['fed']} fed with shared prefixes): {tr['step_s']:.1f} s/step, "
           f"{tr['tps']:.0f} tokens/s, peak RSS {tr['peak_rss'] / MIB:.0f} MiB")  # fmt: skip
@@ -332,6 +344,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--child", choices=sorted(STAGES), help=argparse.SUPPRESS)
+    ap.add_argument("--store", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:  # smaller defaults; what the command line gives still counts
         ap.set_defaults(new_tokens=8, train_len=160, group_size=2, train_steps=1)
@@ -345,13 +358,25 @@ def main() -> None:
     argv += [f"--new-tokens={args.new_tokens}", f"--train-len={args.train_len}",
              f"--group-size={args.group_size}", f"--train-steps={args.train_steps}"]  # fmt: skip
     progress(f"model {model_dir}; {machine(args.threads)}")
-    rows = {stage: run_child(__file__, stage, model_dir, argv) for stage in STAGES}
-    if not args.skip_vllm:
-        with tempfile.TemporaryDirectory(prefix="smollm2-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
+        work = Path(tmp)
+        from tandem.moe_determinism.model.hf import hf_layout
+        from tandem.orchestrator.policy import load_policy
+
+        model = load_policy(model_dir)
+        delta = publish_update(model, work / "weights")
+        layout = hf_layout(model)
+        del model
+        progress(f"weight update: version 1 published, {delta / MIB:.1f} MiB to download")
+        argv.append(f"--store={work / 'weights'}")
+        rows = {stage: run_child(__file__, stage, model_dir, argv) for stage in STAGES}
+        if not args.skip_vllm:
             sets = prompt_sets(model_dir, args.concurrency)
+            update = (work / "weights", layout)
             rows["vllm"] = vllm_side(
-                model_dir, sets, args.concurrency, args.new_tokens, Path(tmp), progress
+                model_dir, sets, args.concurrency, args.new_tokens, work, progress, update
             )
+    rows["load"]["delta_bytes"] = delta
     report(rows, args)
 
 

@@ -78,9 +78,12 @@ def vllm_side(
     new_tokens: int,
     work: Path,
     progress: Callable[[str], None],
+    update: tuple[Path, dict[str, Any]] | None = None,
 ) -> Figures:
     """Start a CPU server on ``model_dir`` and play ``sets`` (``warmup`` and ``run{c}`` for
-    each concurrency c) as `smollm2.py` describes; its figures."""
+    each concurrency c) as `smollm2.py` describes; its figures. ``update``: a store holding
+    versions 0 and 1 of the model and its `hf_layout`; the server then follows the store
+    from version 0 and applies version 1 (`weight_update.py`)."""
     from tandem.orchestrator.config import EngineConfig
     from tandem.orchestrator.inference.engine_config import VllmConfig
     from tandem.orchestrator.inference.vllm.engine import VllmEngine
@@ -120,6 +123,19 @@ def vllm_side(
             out[str(c)] = {**run, "prefill_s": first["wall_s"], "decode_tps": tps}
             progress(f"  {json.dumps(out[str(c)])}")
         await engine.close()
+        if update is not None:
+            from tandem.orchestrator.inference.vllm.weights import VllmWeights
+
+            weights = VllmWeights(server.url)
+            try:
+                await weights.follow(str(update[0]), 0, update[1])
+                done = await weights.update(1)
+            finally:
+                await weights.close()
+            if done is None:
+                raise RuntimeError("the vLLM server did not apply version 1")
+            out["update"] = {"prepare_s": done.prepare_s, "pause_s": done.pause_s}
+            progress(f"  weight update: {json.dumps(out['update'])}")
 
     try:
         asyncio.run(go())
