@@ -1,0 +1,195 @@
+"""How the batch-invariant attention reads keys and values, before and now, in one process.
+
+Two changes, each kept here as its baseline:
+
+1. The KV cache is stored in whole KV splits. Before, an engine whose ``max_len`` was not a
+   multiple of the split (64) got a cache exactly that long, and the attention then copied
+   every row's keys and values out of it before each forward (`ops.attention`'s copy path).
+   The baseline slices today's cache to ``max_len``, which takes that path again.
+2. Without an autograd graph (the engine, and the trainer's forward), the pairs of one KV
+   split sit side by side and their GEMMs read it in place
+   (`ops.gemm.fixed_shape_bmm_indexed`). Before, every (query block, KV split) pair gathered
+   its own copy of the split's keys and values. The baseline gathers (the same products on
+   the gathered copy).
+
+Engine: SmolLM2-135M-Instruct (imported as benchmarks/smollm2.py does), 32 chat-rendered task
+prompts (the system message cached by a warm-up turn, as in RL), the prefill (one step) and
+then ``--new-tokens`` decode steps, three sides interleaved: before (exact-length cache,
+gathered pairs), whole splits (gathered pairs), today; each side's tokens and log-probs must
+equal the others'. Trainer: the demo's GRPO step (its config, groups shaped like its
+rollouts, one thread, as benchmarks/expert_products.py), gathered pairs against today; the
+weights after each side's steps must be equal. Medians of ``--repeats``; ratios over today.
+
+    uv run python benchmarks/kv_reads.py [--policy runs/demo/midtrained] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from smollm2 import VOCAB, default_model, machine, prompt_sets
+
+from tandem.moe_determinism.ops import gemm, split_attention
+
+IN_PLACE = split_attention.fixed_shape_bmm_indexed
+
+
+def gathered(
+    a: torch.Tensor, source: torch.Tensor, index: torch.Tensor, *, transposed: bool = False
+) -> torch.Tensor:
+    """The baseline of change 2: every item's block copied out, then the same products."""
+    b = source.index_select(0, index)
+    return gemm.fixed_shape_bmm(a, b.transpose(1, 2) if transposed else b)
+
+
+def engine_case(args: argparse.Namespace) -> None:
+    from tandem.orchestrator.config import EngineConfig
+    from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+    from tandem.orchestrator.policy import load_policy
+
+    model_dir = Path(args.model) if args.model else default_model()
+    c = 32
+    sets = prompt_sets(model_dir, (c,))
+    max_len = max(len(p) for s in sets.values() for p in s) + args.new_tokens + 1
+    config = EngineConfig(max_slots=c + 1, max_len=max_len)
+
+    def engine() -> InferenceEngine:
+        return InferenceEngine(load_policy(model_dir), config, stop_id=-1, vocab=VOCAB)
+
+    exact, whole = engine(), engine()
+    cache = exact.cache  # the baseline of change 1: a cache exactly max_len long
+    cache.keys = [t[:, :, :max_len] for t in cache.keys]
+    cache.values = [t[:, :, :max_len] for t in cache.values]
+    sides = {
+        "before": (exact, gathered),
+        "whole splits": (whole, gathered),
+        "today": (whole, IN_PLACE),
+    }
+
+    def play(eng: InferenceEngine, prompts: list[list[int]], new: int) -> tuple[float, float, list]:
+        slots = [eng.acquire() for _ in prompts]
+        for i, (slot, prompt) in enumerate(zip(slots, prompts, strict=True)):
+            gen = torch.Generator().manual_seed(i)
+            eng.submit(slot, prompt, gen, new, keep_going=lambda _t: True)
+        t0 = time.perf_counter()
+        done = eng.step()  # the prefill: every sequence's first token
+        t1 = time.perf_counter()
+        while len(done) < len(prompts):
+            done += eng.step()
+        t2 = time.perf_counter()
+        for slot in slots:
+            eng.release(slot)
+        turns = sorted((slots.index(slot), out.tokens, out.logprobs) for slot, out in done)
+        return t1 - t0, (t2 - t1) / max(1, new - 1), turns
+
+    for eng in (exact, whole):
+        play(eng, sets["warmup"], 2)
+    times: dict[str, dict[str, list[float]]] = {s: {"prefill": [], "decode": []} for s in sides}
+    turns = {}
+    names = list(sides)
+    for r in range(args.repeats):
+        for side in names if r % 2 else names[::-1]:
+            eng, product = sides[side]
+            split_attention.fixed_shape_bmm_indexed = product
+            prefill, decode, turns[side] = play(eng, sets[f"run{c}"], args.new_tokens)
+            times[side]["prefill"].append(prefill)
+            times[side]["decode"].append(decode)
+    split_attention.fixed_shape_bmm_indexed = IN_PLACE
+    same = all(turns[s] == turns["today"] for s in names)
+    print(f"\nembedded engine, SmolLM2-135M, {c} prompts (mean {sum(map(len, sets[f'run{c}'])) / c:.0f}"
+          f" tokens), max_len {max_len}; median of {args.repeats}; same tokens and log-probs "
+          f"on every side: {same}")  # fmt: skip
+    report(times, ("prefill", "decode"), {"prefill": "prefill s", "decode": "decode s/step"})
+    if not same:
+        raise SystemExit("the sides' turns differ")
+
+
+def trainer_case(args: argparse.Namespace) -> None:
+    import msgspec
+    from prefix_scoring import make_groups
+
+    from tandem.app.config import load_config
+    from tandem.app.pipeline_config import PipelineConfig
+    from tandem.orchestrator.inference.chat_format import ChatFormat
+    from tandem.orchestrator.policy import build_model, clone_model, load_policy
+    from tandem.orchestrator.training.trainer import RLTrainer
+
+    cfg = load_config(PipelineConfig, "configs/demo.toml", [])
+    model = (
+        load_policy(args.policy)
+        if args.policy
+        else build_model(cfg.model, ChatFormat().tok, seed=cfg.midtrain.init_seed)
+    )
+    shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=args.sample_tokens)
+    groups = make_groups(model, shape, torch.Generator().manual_seed(0))
+    trainer_cfg = msgspec.structs.replace(cfg.trainer, routing_check_rows=0)
+    sides = {"gathered": gathered, "today": IN_PLACE}
+    trainers = {s: RLTrainer(clone_model(model), trainer_cfg, temperature=1.0) for s in sides}
+    times: dict[str, dict[str, list[float]]] = {s: {"step": []} for s in sides}
+    with one_thread():
+        for r in range(2 * args.repeats + 1):
+            for side in list(sides) if r % 2 else list(sides)[::-1]:
+                split_attention.fixed_shape_bmm_indexed = sides[side]
+                t0 = time.perf_counter()
+                trainers[side].step(groups, version=r)
+                if r:  # the first is a warm-up
+                    times[side]["step"].append(time.perf_counter() - t0)
+    split_attention.fixed_shape_bmm_indexed = IN_PLACE
+    a, b = (dict(trainers[s].model.named_parameters()) for s in sides)
+    equal = all(torch.equal(a[n], b[n]) for n in a)
+    print(f"\nthe demo's GRPO step ({cfg.rl.groups_per_step} groups x {cfg.rl.group_size}, "
+          f"{args.sample_tokens} tokens per sample after a 650-token prompt, one thread), "
+          f"median of {2 * args.repeats}; weights equal after every step: {equal}")  # fmt: skip
+    report(times, ("step",), {"step": "step s"})
+    if not equal:
+        raise SystemExit("the sides' weights differ")
+
+
+class one_thread:
+    """torch on one thread inside (the demo's trainer has one), the count restored after."""
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *_: object) -> None:
+        torch.set_num_threads(self.before)
+
+
+def report(
+    times: dict[str, dict[str, list[float]]], keys: tuple[str, ...], label: dict[str, str]
+) -> None:
+    today = {k: statistics.median(times["today"][k]) for k in keys}
+    for side, figures in times.items():
+        cells = []
+        for k in keys:
+            m = statistics.median(figures[k])
+            cells.append(f"{label[k]} {m:.3f} ({m / today[k]:.2f}x today's)")
+        print(f"  {side:>13}: " + ", ".join(cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="an imported SmolLM2 directory")
+    ap.add_argument("--policy", default="", help="a demo policy dir (default: fresh weights)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--sample-tokens", type=int, default=265)
+    ap.add_argument("--skip-engine", action="store_true")
+    args = ap.parse_args()
+    print(machine(torch.get_num_threads()))
+    cases: list[Callable[[], None]] = [partial(trainer_case, args)]
+    if not args.skip_engine:
+        cases.insert(0, partial(engine_case, args))
+    for case in cases:
+        case()
+
+
+if __name__ == "__main__":
+    main()
