@@ -29,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import msgspec
 import torch
@@ -117,28 +118,37 @@ def layer_case(name: str, shape: tuple[int, int, int, int, int], args: argparse.
         )
 
 
-def demo_step(args: argparse.Namespace) -> None:
-    """The demo's GRPO step three ways, interleaved: as before (padded experts, the split
-    attention's own autograd graph), with unpadded experts, and with unpadded experts and
-    the fused attention gradient (today's code)."""
+def demo_step_inputs(policy: str, sample_tokens: int) -> tuple[Any, Any, list, Any]:
+    """The demo's config, its policy (the ``policy`` directory, else fresh weights), 4 groups
+    of 8 shaped like its rollouts (a 650-token shared prompt, ``sample_tokens`` each after
+    it: benchmarks/prefix_scoring.py) and its trainer config without the routing check."""
     from prefix_scoring import make_groups
 
     from tandem.app.config import load_config
     from tandem.app.pipeline_config import PipelineConfig
-    from tandem.moe_determinism.ops import split_attention
     from tandem.orchestrator.inference.chat_format import ChatFormat
-    from tandem.orchestrator.policy import build_model, clone_model, load_policy
-    from tandem.orchestrator.training.trainer import RLTrainer
+    from tandem.orchestrator.policy import build_model, load_policy
 
     cfg = load_config(PipelineConfig, "configs/demo.toml", [])
     model = (
-        load_policy(args.policy)
-        if args.policy
+        load_policy(policy)
+        if policy
         else build_model(cfg.model, ChatFormat().tok, seed=cfg.midtrain.init_seed)
     )
-    shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=args.sample_tokens)
+    shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=sample_tokens)
     groups = make_groups(model, shape, torch.Generator().manual_seed(0))
-    trainer_cfg = msgspec.structs.replace(cfg.trainer, routing_check_rows=0)
+    return cfg, model, groups, msgspec.structs.replace(cfg.trainer, routing_check_rows=0)
+
+
+def demo_step(args: argparse.Namespace) -> None:
+    """The demo's GRPO step three ways, interleaved: as before (padded experts, the split
+    attention's own autograd graph), with unpadded experts, and with unpadded experts and
+    the fused attention gradient (today's code)."""
+    from tandem.moe_determinism.ops import split_attention
+    from tandem.orchestrator.policy import clone_model
+    from tandem.orchestrator.training.trainer import RLTrainer
+
+    cfg, model, groups, trainer_cfg = demo_step_inputs(args.policy, args.sample_tokens)
     fused = split_attention.needs_graph
 
     def graph_attention(*_: torch.Tensor) -> bool:

@@ -111,24 +111,12 @@ def engine_case(args: argparse.Namespace) -> None:
 
 
 def trainer_case(args: argparse.Namespace) -> None:
-    import msgspec
-    from prefix_scoring import make_groups
+    from expert_products import demo_step_inputs
 
-    from tandem.app.config import load_config
-    from tandem.app.pipeline_config import PipelineConfig
-    from tandem.orchestrator.inference.chat_format import ChatFormat
-    from tandem.orchestrator.policy import build_model, clone_model, load_policy
+    from tandem.orchestrator.policy import clone_model
     from tandem.orchestrator.training.trainer import RLTrainer
 
-    cfg = load_config(PipelineConfig, "configs/demo.toml", [])
-    model = (
-        load_policy(args.policy)
-        if args.policy
-        else build_model(cfg.model, ChatFormat().tok, seed=cfg.midtrain.init_seed)
-    )
-    shape = argparse.Namespace(groups=4, group_size=8, prefix=650, suffix=args.sample_tokens)
-    groups = make_groups(model, shape, torch.Generator().manual_seed(0))
-    trainer_cfg = msgspec.structs.replace(cfg.trainer, routing_check_rows=0)
+    cfg, model, groups, trainer_cfg = demo_step_inputs(args.policy, args.sample_tokens)
     sides = {"gathered": gathered, "today": IN_PLACE}
     trainers = {s: RLTrainer(clone_model(model), trainer_cfg, temperature=1.0) for s in sides}
     times: dict[str, dict[str, list[float]]] = {s: {"step": []} for s in sides}
