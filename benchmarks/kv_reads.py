@@ -114,13 +114,14 @@ def trainer_case(args: argparse.Namespace) -> None:
     from expert_products import demo_step_inputs
 
     from tandem.orchestrator.policy import clone_model
+    from tandem.orchestrator.runtime.threads import torch_threads
     from tandem.orchestrator.training.trainer import RLTrainer
 
     cfg, model, groups, trainer_cfg = demo_step_inputs(args.policy, args.sample_tokens)
     sides = {"gathered": gathered, "today": IN_PLACE}
     trainers = {s: RLTrainer(clone_model(model), trainer_cfg, temperature=1.0) for s in sides}
     times: dict[str, dict[str, list[float]]] = {s: {"step": []} for s in sides}
-    with one_thread():
+    with torch_threads(1):  # the demo's trainer has one
         for r in range(2 * args.repeats + 1):
             for side in list(sides) if r % 2 else list(sides)[::-1]:
                 split_attention.fixed_shape_bmm_indexed = sides[side]
@@ -137,17 +138,6 @@ def trainer_case(args: argparse.Namespace) -> None:
     report(times, ("step",), {"step": "step s"})
     if not equal:
         raise SystemExit("the sides' weights differ")
-
-
-class one_thread:
-    """torch on one thread inside (the demo's trainer has one), the count restored after."""
-
-    def __enter__(self) -> None:
-        self.before = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *_: object) -> None:
-        torch.set_num_threads(self.before)
 
 
 def report(

@@ -195,8 +195,8 @@ def indexed_jobs(
     """Jobs for out[p] = a[p] @ B[p], B[p] = source[index[p]] (its transpose with
     ``transposed``): `tile_jobs(batched=True)`'s products, exactly `BATCH` items per call in
     the same windows, without gathering every item's right operand first. A window whose
-    items all read one block multiplies a stride-0 view of that block; any other window
-    gathers its own `BATCH` blocks. Each item's operands and their layouts are those of the
+    items all read one block multiplies a stride-0 view of that block (copied once when its
+    rows are not aligned); any other window gathers its own `BATCH` blocks. Each item's operands and their layouts are those of the
     gathered batch (`aligned_items`), so its bits are too. Needs at least `BATCH` items and
     a reduced dimension of one K tile."""
     a, source = aligned_rows(a.detach()), source.detach()
@@ -210,11 +210,10 @@ def indexed_jobs(
     direct = _aligned(out)
 
     def operand(w: int) -> torch.Tensor:
-        if one_block[w]:
-            blocks = source[first[w]].expand(BATCH, *source.shape[1:])
-        else:
-            blocks = source.index_select(0, windows[w])
-        return aligned_items(blocks.transpose(1, 2) if transposed else blocks)
+        one = one_block[w]
+        blocks = source[first[w] : first[w] + 1] if one else source.index_select(0, windows[w])
+        blocks = aligned_items(blocks.transpose(1, 2) if transposed else blocks)
+        return blocks.expand(BATCH, *blocks.shape[1:]) if one else blocks  # aligned once
 
     def job(ws: range) -> Callable[[], None]:
         def run() -> None:

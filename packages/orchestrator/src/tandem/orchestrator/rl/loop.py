@@ -8,8 +8,8 @@ imports only their protocols, the wire types and the config.
 
 Checkpoints every ``checkpoint_every`` steps hold the weights, the optimizer, the policy
 version, the task cursor (with the curriculum's and the category balance's running state)
-and the RNGs; a run killed at any instant (SIGKILL included)
-resumes from the last one with no repeated or skipped step, on a fresh weight stream. A run
+and the RNGs; a run killed at any instant (SIGKILL included) resumes from the last one
+with no repeated or skipped step, on a fresh weight stream. A run
 asked to stop (`RunHooks.stop_signals`) finishes the step in training or abandons the one
 waiting for groups, and checkpoints the last finished step before it returns.
 """
