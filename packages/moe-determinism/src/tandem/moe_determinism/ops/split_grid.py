@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.ops.reduction import tree_sum
 
 
@@ -31,10 +32,11 @@ class GatherBlocks(torch.autograd.Function):
 class SplitTreeSum(torch.autograd.Function):
     """Per-pair values -> their fixed tree sum over all splits of each query block.
 
-    Forward places the values in a zero-filled dense [blocks, n_sp, ...] grid and applies
-    `tree_sum` over the splits: the reduction order of the dense computation, skipped pairs
-    being its exact zeros. Backward: every leaf of a sum has derivative one, so a pair's
-    gradient is its block's output gradient (exact, no graph through the tree)."""
+    Forward gives the bits of placing the values in a zero-filled dense [blocks, n_sp, ...]
+    grid and applying `tree_sum` over the splits (the reduction order of the dense
+    computation, skipped pairs being its exact zeros), without that grid: see
+    `prefix_tree_sum`. Backward: every leaf of a sum has derivative one, so a pair's gradient
+    is its block's output gradient (exact, no graph through the tree)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -46,11 +48,55 @@ class SplitTreeSum(torch.autograd.Function):
         n_sp: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(block_of)
-        grid = values.new_zeros(blocks * n_sp, *values.shape[1:])
-        grid.index_copy_(0, pair, values)
-        return tree_sum(grid.view(blocks, n_sp, *values.shape[1:]), dim=1)
+        return prefix_tree_sum(values, pair, block_of, blocks, n_sp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         (block_of,) = ctx.saved_tensors
         return grad.index_select(0, block_of), None, None, None, None
+
+
+def _depth(n: int) -> int:
+    """Levels of `tree_sum` over n leaves."""
+    return max(0, n - 1).bit_length()
+
+
+def prefix_tree_sum(
+    values: torch.Tensor, pair: torch.Tensor, block_of: torch.Tensor, blocks: int, n_sp: int
+) -> torch.Tensor:
+    """`tree_sum` over the splits of the dense grid [blocks, n_sp, ...] holding ``values[i]``
+    at flat position ``pair[i]`` (= block * n_sp + split) and +0 elsewhere, bit for bit,
+    when each block's pairs are a prefix of its splits (a block reads the keys before a
+    limit: attention's active pairs).
+
+    Why it is exact: in the dense tree, a node over zero leaves only is +0, and a node
+    pairing a value with it computes value + 0, which is what `tree_sum` does to an odd
+    element out. So the tree over a block's first `a` splits is the dense tree, level for
+    level, until it has one element left; where the dense tree has more levels, they only
+    add +0 to that element again (which turns -0 into +0 and changes nothing else). Blocks
+    are summed in groups of equal prefix length: no zero-filled grid, no sums of zeros."""
+    if values.shape[0] != pair.shape[0] or block_of.shape[0] != pair.shape[0]:
+        raise MoEDeterminismError(
+            f"split sums: {values.shape[0]} values for {pair.shape[0]} pairs "
+            f"and {block_of.shape[0]} blocks"
+        )
+    out = values.new_zeros(blocks, *values.shape[1:])
+    if pair.numel() == 0:
+        return out
+    prefix = torch.bincount(block_of, minlength=blocks)
+    where = torch.full((blocks * n_sp,), -1, dtype=torch.long, device=values.device)
+    where[pair] = torch.arange(pair.numel(), device=values.device)
+    for a in torch.unique(prefix).tolist():
+        if a == 0:
+            continue  # no pair: the dense tree of zeros, +0
+        rows = (prefix == a).nonzero().squeeze(1)
+        idx = (rows[:, None] * n_sp + torch.arange(a, device=values.device)).reshape(-1)
+        pos = where[idx]
+        if bool((pos < 0).any()):
+            raise MoEDeterminismError("split sums: a block's pairs are not a prefix of its splits")
+        leaves = values.index_select(0, pos).view(rows.numel(), a, *values.shape[1:])
+        summed = tree_sum(leaves, dim=1)
+        if _depth(a) < _depth(n_sp):
+            summed = summed + 0.0
+        out.index_copy_(0, rows, summed)
+    return out
