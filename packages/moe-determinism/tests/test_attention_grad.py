@@ -76,9 +76,10 @@ def test_forward_bits_are_those_of_the_graph_free_call(case: str, threads: int) 
     assert out.requires_grad and torch.equal(out.detach(), plain)
 
 
-def test_the_graph_keeps_only_the_inputs() -> None:
-    """Saved for backward: q, k, v and the positions, nothing that grows with queries x keys
-    (the split attention's own graph kept every block's scores and probabilities)."""
+def test_the_graph_keeps_only_the_inputs_and_the_output() -> None:
+    """Saved for backward: q, k, v, the positions, the output and its log-sum-exp, nothing
+    that grows with queries x keys (the split attention's own graph kept every block's
+    scores and probabilities)."""
     q, k, v, pos, kv = _inputs("gqa")
     saved: list[int] = []
 
@@ -89,7 +90,8 @@ def test_the_graph_keeps_only_the_inputs() -> None:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = ops.attention(*leaves, kv_split_size=16, q_positions=pos, kv_lengths=kv)
-    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, pos, kv))
+    lse = q.shape[0] * q.shape[1] * q.shape[2] * 4  # fp32, one per query row
+    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, pos, kv, out)) + lse
     assert 0 < sum(saved) <= inputs, (saved, inputs)
     out.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
@@ -143,3 +145,23 @@ def test_masked_gradient_in_query_ranges_matches_float64(
     assert len(masked) > q.shape[0] and max(masked) <= budget, masked
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-5, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_forwards_log_sum_exp_is_that_of_the_scores(case: str, threads: int) -> None:
+    """What the backward is given instead of running a second forward: each query's
+    log-sum-exp of its visible scaled scores, against float64 `torch.logsumexp`."""
+    from tandem.moe_determinism.ops import split_attention
+
+    q, k, v, pos, kv = _inputs(case)
+    scale = q.shape[-1] ** -0.5
+    out, lse = split_attention._attention_cpu(q, k, v, True, 16, pos, kv, scale, with_lse=True)
+    assert torch.equal(out, split_attention._attention_cpu(q, k, v, True, 16, pos, kv, scale))
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(group, 1)
+    keys = torch.arange(k.shape[2])
+    visible = (keys[None, None, :] < kv[:, None, None]) & (keys[None, None, :] <= pos[:, :, None])
+    scores = (q.double() @ kk.transpose(-1, -2)) * scale
+    want = torch.logsumexp(scores.masked_fill(~visible[:, None], float("-inf")), -1)
+    assert lse.shape == want.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want, rtol=0, atol=1e-5)

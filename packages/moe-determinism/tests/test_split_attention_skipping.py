@@ -191,9 +191,9 @@ def test_query_ranges_give_the_bits_of_one_pass(
     passes: list[int] = []
     one_pass = split_attention._attention_cpu_pass
 
-    def recorded(q, k, *rest):
+    def recorded(q, k, *rest, **kwargs):
         passes.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
-        return one_pass(q, k, *rest)
+        return one_pass(q, k, *rest, **kwargs)
 
     rng = random.Random(7)
     for case in range(16):

@@ -37,16 +37,20 @@ class ExactForwardAttention(torch.autograd.Function):
         q_positions: torch.Tensor,
         kv_lengths: torch.Tensor,
         scale: float,
-        forward_fn: Callable[[], torch.Tensor],
+        forward_fn: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        ctx.save_for_backward(q, k, v, q_positions, kv_lengths)
+        # autograd records nothing inside a Function's forward
+        out, lse = forward_fn()  # the output and each query's log-sum-exp [B, Hq, Tq]
+        ctx.save_for_backward(q, k, v, q_positions, kv_lengths, out, lse)
         ctx.scale = scale
-        return forward_fn()  # autograd records nothing inside a Function's forward
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, q_positions, kv_lengths = ctx.saved_tensors
-        gq, gk, gv = fused_attention_grad(grad, q, k, v, q_positions, kv_lengths, ctx.scale)
+        q, k, v, q_positions, kv_lengths, out, lse = ctx.saved_tensors
+        gq, gk, gv = fused_attention_grad(
+            grad, q, k, v, q_positions, kv_lengths, ctx.scale, forward=(out, lse)
+        )
         return gq, gk, gv, None, None, None, None
 
 
@@ -58,10 +62,15 @@ def fused_attention_grad(
     q_positions: torch.Tensor,
     kv_lengths: torch.Tensor,
     scale: float,
+    forward: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for causal attention with a key-length limit, by torch's fused
     CPU kernel, batch row by batch row; grouped-query heads take the sum over their query
     heads.
+
+    ``forward``: the forward's output [B, Hq, Tq, D] and log-sum-exp [B, Hq, Tq], which is
+    all the fused backward needs of a forward (its P is exp(scores - lse)); without it, the
+    fused forward is run first to get them.
 
     A query row whose output gradient is zero (a padding row, its output dropped) has a zero
     gradient and adds exactly nothing to the keys' and values' (dO = 0 makes dV's, dP's and
@@ -80,9 +89,10 @@ def fused_attention_grad(
         tk = min(int(kv_lengths[b]), int(pos.max()) + 1)
         if tk <= 0:
             continue
+        row = None if forward is None else tuple(t[b : b + 1, :, :tq] for t in forward)
         g_q, g_k, g_v = _one_row(
             grad[b : b + 1, :, :tq], q[b : b + 1, :, :tq], k[b : b + 1, :, :tk],
-            v[b : b + 1, :, :tk], pos, int(kv_lengths[b]), group, scale,
+            v[b : b + 1, :, :tk], pos, int(kv_lengths[b]), group, scale, row,
         )  # fmt: skip
         gq[b, :, :tq], gk[b, :, :tk], gv[b, :, :tk] = g_q[0], g_k[0], g_v[0]
     return gq, gk, gv
@@ -97,8 +107,10 @@ def _one_row(
     kv_length: int,
     group: int,
     scale: float,
+    forward: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch row: q [1, Hq, Tq, D] at positions ``pos``, k and v [1, Hkv, Tk, D]."""
+    """One batch row: q [1, Hq, Tq, D] at positions ``pos``, k and v [1, Hkv, Tk, D];
+    ``forward`` its output and log-sum-exp, if known."""
     tq, tk = q.shape[2], k.shape[2]
     kc = k.repeat_interleave(group, 1) if group > 1 else k.contiguous()
     vc = v.repeat_interleave(group, 1) if group > 1 else v.contiguous()
@@ -106,7 +118,7 @@ def _one_row(
     if tk == tq and bool((pos == keys).all()):
         # queries at 0..Tq-1 over as many keys: the fused causal kernel, which also skips
         # the masked blocks and needs no mask (memory linear in the context)
-        gq, gk, gv = _fused(grad, q.contiguous(), kc, vc, None, True, scale)
+        gq, gk, gv = _fused(grad, q.contiguous(), kc, vc, None, True, scale, forward)
     else:  # an explicit mask, a range of queries at a time: [rows, Tk] floats each
         step = max(1, MASK_ELEMENTS // tk)
         parts = [
@@ -118,6 +130,7 @@ def _one_row(
                 _mask(pos[lo : lo + step], keys, kv_length, q.dtype),
                 False,
                 scale,
+                None if forward is None else tuple(t[:, :, lo : lo + step] for t in forward),
             )
             for lo in range(0, tq, step)
         ]
@@ -150,11 +163,16 @@ def _fused(
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
+    forward: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch's fused CPU attention forward (for the log-sum-exp), then its backward."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
-    )
+    """torch's fused CPU attention backward, given the forward's output and log-sum-exp or
+    after its own forward to get them."""
+    if forward is None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    else:
+        out, lse = forward[0].contiguous(), forward[1].contiguous()
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
     )

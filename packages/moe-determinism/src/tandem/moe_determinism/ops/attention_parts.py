@@ -57,11 +57,15 @@ def compute(
     kv_slots: torch.Tensor | None,
     cache_keys: int,
     kv_origins: torch.Tensor | None,
-) -> torch.Tensor:
+    *,
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``whole(...)`` (the split attention's CPU path, same arguments), in parts when it is
     large enough and there is more than one thread."""
     cached = kv_slots is not None
     plan = thread_parts(q, k, cache_keys if cached else k.shape[2], not cached)
+    if with_lse:
+        whole = partial(whole, with_lse=True)
     if plan is None:
         return whole(
             q, k, v, causal, split, q_positions, kv_lengths, scale, kv_slots, cache_keys, kv_origins
@@ -85,7 +89,7 @@ def compute(
             )
             for lo, hi in bounds
         ]
-        return torch.cat(workers.run_parts(parts), dim=0)
+        return concat(workers.run_parts(parts), dim=0)
     group = q.shape[1] // k.shape[1]  # a KV head's query heads go with it
     parts = [
         partial(
@@ -101,4 +105,16 @@ def compute(
         )
         for lo, hi in bounds
     ]
-    return torch.cat(workers.run_parts(parts), dim=1)
+    return concat(workers.run_parts(parts), dim=1)
+
+
+def concat(
+    parts: list[torch.Tensor] | list[tuple[torch.Tensor, ...]], dim: int
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Parts of one attention put back together along ``dim``: outputs, or (output,
+    log-sum-exp) pairs, each concatenated (the log-sum-exp has no last, feature dim)."""
+    if isinstance(parts[0], torch.Tensor):
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)  # type: ignore[arg-type]
+    return tuple(
+        p[0] if len(parts) == 1 else torch.cat(p, dim=dim) for p in zip(*parts, strict=True)
+    )

@@ -165,9 +165,10 @@ def attention(
         q, k, v, causal, kv_split_size, q_positions, kv_lengths, scale, kv_slots, tk, kv_origins,
     )  # fmt: skip
     if causal and kv_slots is None and needs_graph(q, k, v):
-        # the forward's bits without a graph; the gradient from torch's fused kernel
+        # the forward's bits without a graph; the gradient from torch's fused kernel, given
+        # this forward's output and log-sum-exp (no second forward in backward)
         return attention_grad.ExactForwardAttention.apply(
-            q, k, v, q_positions, kv_lengths, scale, run
+            q, k, v, q_positions, kv_lengths, scale, partial(run, with_lse=True)
         )
     return run()
 
@@ -220,22 +221,26 @@ def _attention_cpu(
     cache_keys: int = 0,
     kv_origins: torch.Tensor | None = None,
     max_scores: int = MAX_SCORES,
-) -> torch.Tensor:
+    *,
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`_attention_cpu_pass` over ranges of queries of at most ``max_scores`` scores each.
     Every reduction of a query is its own row's (a fixed-shape GEMM gives a row the same bits
     in any block; the max and the tree over splits are per row, the split grid set by the
-    keys), so the ranges give one pass's bits, in memory linear in the context."""
+    keys), so the ranges give one pass's bits, in memory linear in the context.
+    ``with_lse``: also each query's log-sum-exp of its scaled scores [B, Hq, Tq] (fp32)."""
     b, hq, tq, _ = q.shape
     keys = k.shape[2] if kv_slots is None else cache_keys
     step = max(Q_BLOCK, max_scores // max(1, b * hq * keys) // Q_BLOCK * Q_BLOCK)
     rest = (kv_lengths, scale, kv_slots, cache_keys, kv_origins)
+    one_pass = partial(_attention_cpu_pass, with_lse=with_lse)
     parts = [
-        _attention_cpu_pass(
+        one_pass(
             q[:, :, lo : lo + step], k, v, causal, split, q_positions[:, lo : lo + step], *rest
         )
         for lo in range(0, tq, step)
     ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return attention_parts.concat(parts, dim=2)
 
 
 def _attention_cpu_pass(
@@ -250,7 +255,9 @@ def _attention_cpu_pass(
     kv_slots: torch.Tensor | None = None,
     cache_keys: int = 0,
     kv_origins: torch.Tensor | None = None,
-) -> torch.Tensor:
+    *,
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Split attention on the CPU, computing only the (query block, KV split) pairs in which
     some row sees some key.
 
@@ -361,4 +368,8 @@ def _attention_cpu_pass(
         partial = partial[:, :live].to(acc_dtype)  # [n_act, live, dv]
     out = SplitTreeSum.apply(partial, pair, block_of, blocks, n_sp) / denom[..., None]
     out = out.view(b, hkv, n_rb * live, dv)[:, :, :rows]
-    return out.reshape(b, hq, tq, dv).to(q.dtype)
+    out = out.reshape(b, hq, tq, dv).to(q.dtype)
+    if not with_lse:
+        return out
+    lse = (m + denom.detach().log()).view(b, hkv, n_rb * live)[:, :, :rows]
+    return out, lse.reshape(b, hq, tq)
