@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from smollm2 import VOCAB, default_model, machine, prompt_sets
@@ -48,13 +49,16 @@ def gathered(
     return gemm.fixed_shape_bmm(a, b.transpose(1, 2) if transposed else b)
 
 
-def engine_case(args: argparse.Namespace) -> None:
+def smollm2_engines(
+    args: argparse.Namespace, c: int = 32
+) -> tuple[dict[str, list[list[int]]], int, Callable[[], Any]]:
+    """SmolLM2's task prompts (a warm-up set, then ``run{c}``), the engines' ``max_len`` and
+    a maker of fresh embedded engines with room for them (``args.model``, ``args.new_tokens``)."""
     from tandem.orchestrator.config import EngineConfig
     from tandem.orchestrator.inference.embedded.engine import InferenceEngine
     from tandem.orchestrator.policy import load_policy
 
     model_dir = Path(args.model) if args.model else default_model()
-    c = 32
     sets = prompt_sets(model_dir, (c,))
     max_len = max(len(p) for s in sets.values() for p in s) + args.new_tokens + 1
     config = EngineConfig(max_slots=c + 1, max_len=max_len)
@@ -62,6 +66,14 @@ def engine_case(args: argparse.Namespace) -> None:
     def engine() -> InferenceEngine:
         return InferenceEngine(load_policy(model_dir), config, stop_id=-1, vocab=VOCAB)
 
+    return sets, max_len, engine
+
+
+def engine_case(args: argparse.Namespace) -> None:
+    from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+
+    c = 32
+    sets, max_len, engine = smollm2_engines(args, c)
     exact, whole = engine(), engine()
     cache = exact.cache  # the baseline of change 1: a cache exactly max_len long
     cache.keys = [t[:, :, :max_len] for t in cache.keys]

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from kv_reads import report
-from smollm2 import VOCAB, default_model, embedded_run, machine, prompt_sets
+from kv_reads import report, smollm2_engines
+from smollm2 import embedded_run, machine
 
 from tandem.moe_determinism.ops import split_attention, split_grid
 from tandem.moe_determinism.ops.reduction import tree_sum
@@ -84,18 +83,9 @@ def attention_case(args: argparse.Namespace) -> None:
 
 
 def engine_case(args: argparse.Namespace) -> None:
-    from tandem.orchestrator.config import EngineConfig
-    from tandem.orchestrator.inference.embedded.engine import InferenceEngine
-    from tandem.orchestrator.policy import load_policy
-
-    model_dir = Path(args.model) if args.model else default_model()
     c = 32
-    sets = prompt_sets(model_dir, (c,))
-    max_len = max(len(p) for s in sets.values() for p in s) + args.new_tokens + 1
-    config = EngineConfig(max_slots=c + 1, max_len=max_len)
-    engines = {
-        s: InferenceEngine(load_policy(model_dir), config, stop_id=-1, vocab=VOCAB) for s in SIDES
-    }
+    sets, _, engine = smollm2_engines(args, c)
+    engines = {s: engine() for s in SIDES}
     for eng in engines.values():
         embedded_run(eng, sets["warmup"], 2, seed=0)
 
