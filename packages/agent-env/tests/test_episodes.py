@@ -338,3 +338,11 @@ def test_unused_base_layers_are_evicted_beyond_the_cache_size(config: EnvConfig)
         rt.max_cached_bases = old
     assert len(built) == 2
     assert "return a - b" in seen  # the base in use was not evicted
+
+
+def test_run_tests_reports_no_wall_clock_time(config: EnvConfig) -> None:
+    """The runner's "Ran 1 test in 0.001s" would make the same calls give other tokens on a
+    busier machine (a mid-training transcript against the rollout replaying it)."""
+    res, _ = play(ADD_TASK, config, [call("run_tests")])
+    text = res[0].observation.content
+    assert "\nRan 1 test\n" in text and "OK" in text and "Ran 1 test in" not in text, text

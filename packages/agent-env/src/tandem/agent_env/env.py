@@ -23,6 +23,7 @@ from tandem.agent_env.tools import (
     cap_observation,
     parse_call,
     tool_schemas,
+    without_durations,
 )
 from tandem.agent_env.trajectory import Observation, StepRecord, StepResult, Trajectory
 
@@ -184,7 +185,8 @@ class Env:
         if name == "bash":
             return await self._exec({"op": "shell", "cmd": args["command"]})
         if name == "run_tests":
-            return await self._exec({"op": "exec", "cmd": self.task.visible_test_command})
+            obs, info = await self._exec({"op": "exec", "cmd": self.task.visible_test_command})
+            return Observation(without_durations(obs.content), obs.is_error), info
         if name == "submit":
             return Observation("submitted"), {}
         return await self._file_op({"op": name, **args})  # read_file, search, list_dir, edit, ...

@@ -8,6 +8,7 @@ UTF-8) costs a turn and returns a precise error instead of a traceback.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -145,6 +146,24 @@ def cap_observation(text: str, head: int, tail: int) -> str:
     return (
         text[:head] + f"\n[... {omitted} characters omitted ...]\n" + (text[-tail:] if tail else "")
     )
+
+
+_UNITTEST_DURATION = re.compile(r"^(Ran \d+ tests?) in \d+(?:\.\d+)?s$", re.M)
+_PYTEST_OUTCOME = (
+    r"\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|warnings?|deselected|rerun)"
+)
+_PYTEST_DURATION = re.compile(
+    rf"({_PYTEST_OUTCOME}(?:, {_PYTEST_OUTCOME})*|no tests ran) in \d+(?:\.\d+)?s"
+    r"(?: \(\d+:\d\d:\d\d\))?"
+)
+
+
+def without_durations(text: str) -> str:
+    """A test run's output without the wall-clock time its runner reports ("Ran 14 tests
+    in 0.005s", "3 passed in 0.12s"): an observation must not depend on how busy the
+    machine was, or the same calls give other tokens (a mid-training transcript and the
+    rollout that replays it, two runs of one seed)."""
+    return _PYTEST_DURATION.sub(r"\1", _UNITTEST_DURATION.sub(r"\1", text))
 
 
 def _check_text(value: str, where: str) -> None:
