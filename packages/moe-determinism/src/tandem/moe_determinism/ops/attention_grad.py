@@ -5,11 +5,12 @@ product's backward under `batch_invariant()` (see `mode.py`), its gradient may c
 stock kernel. Recording the split attention's own autograd graph kept every (query block,
 KV split) pair's scores and probabilities for the backward (memory quadratic in the context:
 about 0.9, 1.5 and 2.4 GB for one layer at 1k, 2k and 3k tokens) and ran its thousands of
-small products backwards. Here the forward runs without a graph and saves only q, k, v and
-the positions; the backward recomputes the attention with torch's fused CPU kernel (flash
-attention, which returns the log-sum-exp its backward needs) and takes that kernel's
-gradient: the exact gradient of the same function up to float rounding (tested against
-float64), in memory linear in the context.
+small products backwards. Here the forward runs without a graph and saves only q, k, v, the
+positions, its output and each query's log-sum-exp; the backward hands the last two to torch's
+fused CPU kernel (flash attention's backward, which needs nothing else of a forward) and
+takes that kernel's gradient: the exact gradient of the same function up to float rounding
+(tested against float64), in memory linear in the context. Without them (a direct call of
+`fused_attention_grad`) it runs the fused forward first to get them.
 """
 
 from __future__ import annotations
