@@ -69,9 +69,27 @@ def smollm2_engines(
     return sets, max_len, engine
 
 
-def engine_case(args: argparse.Namespace) -> None:
-    from tandem.orchestrator.inference.embedded.engine import InferenceEngine
+def play(eng: Any, prompts: list[list[int]], new: int) -> tuple[float, float, list]:
+    """Every prompt submitted at once, ``new`` tokens each: the prefill's seconds (every
+    sequence's first token), seconds per decode step, and each sequence's tokens and
+    log-probs in prompt order."""
+    slots = [eng.acquire() for _ in prompts]
+    for i, (slot, prompt) in enumerate(zip(slots, prompts, strict=True)):
+        gen = torch.Generator().manual_seed(i)
+        eng.submit(slot, prompt, gen, new, keep_going=lambda _t: True)
+    t0 = time.perf_counter()
+    done = eng.step()  # the prefill: every sequence's first token
+    t1 = time.perf_counter()
+    while len(done) < len(prompts):
+        done += eng.step()
+    t2 = time.perf_counter()
+    for slot in slots:
+        eng.release(slot)
+    turns = sorted((slots.index(slot), out.tokens, out.logprobs) for slot, out in done)
+    return t1 - t0, (t2 - t1) / max(1, new - 1), turns
 
+
+def engine_case(args: argparse.Namespace) -> None:
     c = 32
     sets, max_len, engine = smollm2_engines(args, c)
     exact, whole = engine(), engine()
@@ -83,22 +101,6 @@ def engine_case(args: argparse.Namespace) -> None:
         "whole splits": (whole, gathered),
         "today": (whole, IN_PLACE),
     }
-
-    def play(eng: InferenceEngine, prompts: list[list[int]], new: int) -> tuple[float, float, list]:
-        slots = [eng.acquire() for _ in prompts]
-        for i, (slot, prompt) in enumerate(zip(slots, prompts, strict=True)):
-            gen = torch.Generator().manual_seed(i)
-            eng.submit(slot, prompt, gen, new, keep_going=lambda _t: True)
-        t0 = time.perf_counter()
-        done = eng.step()  # the prefill: every sequence's first token
-        t1 = time.perf_counter()
-        while len(done) < len(prompts):
-            done += eng.step()
-        t2 = time.perf_counter()
-        for slot in slots:
-            eng.release(slot)
-        turns = sorted((slots.index(slot), out.tokens, out.logprobs) for slot, out in done)
-        return t1 - t0, (t2 - t1) / max(1, new - 1), turns
 
     for eng in (exact, whole):
         play(eng, sets["warmup"], 2)

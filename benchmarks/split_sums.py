@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
-from kv_reads import report, smollm2_engines
+from kv_reads import play, report, smollm2_engines
 from smollm2 import embedded_run, machine
 
 from tandem.moe_determinism.ops import split_attention, split_grid
@@ -89,23 +90,11 @@ def engine_case(args: argparse.Namespace) -> None:
     for eng in engines.values():
         embedded_run(eng, sets["warmup"], 2, seed=0)
 
-    def play(side: str) -> tuple[float, list]:
-        eng = engines[side]
-        slots = [eng.acquire() for _ in sets[f"run{c}"]]
-        for i, (slot, prompt) in enumerate(zip(slots, sets[f"run{c}"], strict=True)):
-            eng.submit(slot, prompt, torch.Generator().manual_seed(i), args.new_tokens,
-                       keep_going=lambda _t: True)  # fmt: skip
-        t0 = time.perf_counter()
-        done = eng.step()  # the prefill: every sequence's first token
-        prefill = time.perf_counter() - t0
-        while len(done) < len(slots):
-            done += eng.step()
-        for slot in slots:
-            eng.release(slot)
-        return prefill, sorted((slots.index(s), o.tokens, o.logprobs) for s, o in done)
-
-    results = interleaved(args.repeats, {s: (lambda s=s: play(s)) for s in SIDES})
-    same = results["dense grid"][-1][1] == results["today"][-1][1]
+    results = interleaved(
+        args.repeats,
+        {s: partial(play, engines[s], sets[f"run{c}"], args.new_tokens) for s in SIDES},
+    )
+    same = results["dense grid"][-1][2] == results["today"][-1][2]
     times = {s: {"prefill": [r[0] for r in results[s]]} for s in SIDES}
     print(f"\nembedded engine, SmolLM2-135M, prefill of {c} prompts (mean "
           f"{sum(map(len, sets[f'run{c}'])) / c:.0f} tokens); median of {args.repeats}; "
