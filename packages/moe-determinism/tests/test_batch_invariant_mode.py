@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.moe_determinism import batch_invariant, is_batch_invariant, ops
+from tandem.moe_determinism.mode import stock_kernels
 
 
 def _variant_rows(fn, x: torch.Tensor) -> list[int]:
@@ -84,3 +85,70 @@ def test_scope_from_two_threads() -> None:
         t.join()
     assert errors == []
     assert not is_batch_invariant()
+
+
+def test_stock_kernels_on_one_thread_inside_the_scope(monkeypatch) -> None:
+    """Inside `stock_kernels()` the calling thread computes torch's own bits and never enters
+    an invariant kernel (the scope stays registered); outside it, the invariant ones again."""
+    from tandem.moe_determinism.ops import gemm, reduction
+
+    calls: list[str] = []
+    for module, name in [(gemm, "mm_blocks"), (gemm, "bmm_blocks")] + [
+        (reduction, n) for n in ("softmax", "log_softmax", "mean", "silu", "sigmoid")
+    ]:
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module,
+            name,
+            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k),
+        )
+    a, w = torch.randn(5, 300), torch.randn(200, 300)
+    x = torch.randn(7, 1000) * 3
+
+    def run() -> dict[str, torch.Tensor]:
+        return {
+            "linear": F.linear(a, w),
+            "log_softmax": torch.log_softmax(x, -1),
+            "softmax": torch.softmax(x, -1),
+            "mean": x.mean(-1),
+            "silu": F.silu(x),
+            "sigmoid": torch.sigmoid(x),
+            "bmm": torch.bmm(x[None, :, :300], w.t()[None]),
+        }
+
+    stock = run()
+    with batch_invariant():
+        with stock_kernels():
+            assert not is_batch_invariant()
+            now = run()
+        assert calls == []
+        assert is_batch_invariant()
+        run()
+    assert sorted(set(calls)) == sorted(
+        ["mm_blocks", "bmm_blocks", "softmax", "log_softmax", "mean", "silu", "sigmoid"]
+    )
+    for name, value in stock.items():
+        assert torch.equal(now[name], value), name
+
+
+def test_stock_kernels_leave_other_threads_invariant() -> None:
+    a, w = torch.randn(9, 64), torch.randn(32, 64)
+    expected, stock = ops.linear(a, w), F.linear(a, w)
+    seen: dict[str, bool] = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait()
+        seen["other_invariant"] = is_batch_invariant()
+        seen["other_bits"] = torch.equal(F.linear(a, w), expected)
+        done.set()
+
+    t = threading.Thread(target=other)
+    with batch_invariant():
+        t.start()
+        with stock_kernels():
+            inside.set()
+            done.wait()
+            seen["own_bits"] = torch.equal(F.linear(a, w), stock)
+    t.join()
+    assert seen == {"other_invariant": True, "other_bits": True, "own_bits": True}

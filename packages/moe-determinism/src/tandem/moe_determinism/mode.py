@@ -27,6 +27,7 @@ from tandem.moe_determinism.ops import reduction as _red
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"depth": 0, "library": None}
+_thread = threading.local()  # `stock_kernels()` depth of the current thread
 
 
 # The kernels below run beneath autograd (torch records the graph with its own formulas),
@@ -40,14 +41,23 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1 and not torch.is_grad_enabled()
 
 
+def _empty(x: torch.Tensor, half_to_float: bool) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float32 if half_to_float else x.dtype)
+
+
 def _stock_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
     return torch.bmm(a, b, out=out) if a.dim() == 3 else torch.mm(a, b, out=out)
 
 
+def _on_stock() -> bool:
+    """True on a thread inside `stock_kernels()`."""
+    return bool(getattr(_thread, "stock", 0))
+
+
 def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _mm._check(a, b, "mm")
-    if _in_backward():
+    if _in_backward() or _on_stock():
         return _stock_product(a, b)
     return _mm.cuda_mm(a, b) if a.is_cuda else _mm.mm_blocks(a, b)
 
@@ -65,16 +75,21 @@ def _addmm_impl(
 
 def _bmm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _mm._check(a, b, "bmm")
-    if _in_backward():
+    if _in_backward() or _on_stock():
         return _stock_product(a, b)
     return _mm.cuda_bmm(a, b) if a.is_cuda else _mm.bmm_blocks(a, b)
 
 
 def _softmax_impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    if _on_stock():
+        return torch.ops.aten._softmax.out(x, dim, half_to_float, out=_empty(x, half_to_float))
     return _red.softmax(x, dim, dtype=torch.float32 if half_to_float else None)
 
 
 def _log_softmax_impl(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    if _on_stock():
+        out = _empty(x, half_to_float)
+        return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=out)
     return _red.log_softmax(x, dim, dtype=torch.float32 if half_to_float else None)
 
 
@@ -85,14 +100,21 @@ def _mean_impl(
     *,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    if _on_stock():
+        out = x.new_empty(0, dtype=dtype or x.dtype)
+        return torch.ops.aten.mean.out(x, dim, keepdim, dtype=dtype, out=out)
     return _red.mean(x, dim, keepdim=keepdim, dtype=dtype)
 
 
 def _silu_impl(x: torch.Tensor) -> torch.Tensor:
+    if _on_stock():
+        return torch.ops.aten.silu.out(x, out=torch.empty_like(x))
     return _red.silu(x)
 
 
 def _sigmoid_impl(x: torch.Tensor) -> torch.Tensor:
+    if _on_stock():
+        return torch.ops.aten.sigmoid.out(x, out=torch.empty_like(x))
     return _red.sigmoid(x)
 
 
@@ -120,8 +142,22 @@ def _register() -> torch.library.Library:
 
 
 def is_batch_invariant() -> bool:
-    """True while a `batch_invariant()` scope is active (in any thread)."""
-    return bool(_state["depth"])
+    """True while a `batch_invariant()` scope is active (in any thread), but not on a thread
+    inside `stock_kernels()`."""
+    return bool(_state["depth"]) and not _on_stock()
+
+
+@contextmanager
+def stock_kernels() -> Iterator[None]:
+    """On the calling thread, torch's own kernels even inside an active `batch_invariant()`
+    scope, which is process-wide (the overrides are registered with torch's dispatcher): for
+    work whose bits no one compares, beside threads that must stay invariant. Other threads
+    keep the invariant kernels."""
+    _thread.stock = getattr(_thread, "stock", 0) + 1
+    try:
+        yield
+    finally:
+        _thread.stock -= 1
 
 
 @contextmanager
