@@ -5,7 +5,8 @@ it, and digests every weight state it produces. The digests in
 ``data/behaviour_digests.json`` were recorded before the orchestrator was reorganised into
 wings, and again when the MoE experts stopped padding their rows and when the CPU split
 attention took its gradient from torch's fused kernel (both change the gradients' low bits:
-the same rollouts and rewards, other weights in the last bits); equal digests
+the same rollouts and rewards, other weights in the last bits), and on an AMD EPYC (Zen 4)
+when the later updates of a step took torch's own kernels (`exact_later_updates`); equal digests
 mean the same weights bit for bit, so a change of structure that changed behaviour fails
 here. A change that means to alter the numbers re-records them (``python
 tests/behaviour_workload.py DIR`` with the kernels pinned as below) and says why.

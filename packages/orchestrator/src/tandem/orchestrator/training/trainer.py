@@ -10,6 +10,7 @@ step starts from.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import torch
 
 from tandem.grpo import GRPOStep, RolloutBatch, shard_by_group
 from tandem.moe_determinism import MoETransformer, batch_invariant
+from tandem.moe_determinism.mode import stock_kernels
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.training.agreement import kl_to_start, mismatch, routing_check
 from tandem.orchestrator.training.collate import collate
@@ -170,16 +172,20 @@ class RLTrainer:
 
     def _more_updates(self, batch: RolloutBatch, version: int, shards: int) -> dict[str, Any]:
         """Updates 2.. of a step on the same batch, the first pass's log-probs as the old
-        policy; the version advances once for the step (the caller's count). The first pass's capture is kept
-        for the mismatch check (it alone scored with the rollout's weights)."""
+        policy; the version advances once for the step (the caller's count). The first pass's
+        capture is kept for the mismatch check (it alone scored with the rollout's weights):
+        no engine ever sampled from the weights the later passes score, so their bits are
+        compared with nothing, and they run torch's own kernels unless
+        ``exact_later_updates``."""
         first = list(self.hook.captured)
         old = torch.zeros_like(batch.rollout_logprobs)
         for p in first:
             old[p.rows] = p.logprobs
         batch.old_logprobs = old
-        for _ in range(self.config.updates_per_step - 1):
-            self.hook.captured.clear()
-            last = self.grpo.step(batch, version=version, shards=shards)
+        with contextlib.nullcontext() if self.config.exact_later_updates else stock_kernels():
+            for _ in range(self.config.updates_per_step - 1):
+                self.hook.captured.clear()
+                last = self.grpo.step(batch, version=version, shards=shards)
         self.hook.captured[:] = first
         batch.old_logprobs = None
         return {
