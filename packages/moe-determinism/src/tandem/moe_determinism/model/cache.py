@@ -19,6 +19,7 @@ import torch
 
 from tandem.moe_determinism.errors import MoEDeterminismError
 from tandem.moe_determinism.model.config import MoEConfig
+from tandem.moe_determinism.ops.tiles import aligned_zeros
 
 
 class KVCache:
@@ -35,13 +36,15 @@ class KVCache:
         # Storage in whole splits: batch-invariant attention reads a slot's splits straight
         # from the cache only when its length is a whole number of splits (otherwise it
         # copies every row's keys out first, each step). Positions past max_len stay unused.
+        # On the CPU each position's row starts on a 64-byte boundary (`aligned_zeros`): the
+        # attention's products read the splits in place instead of copying them, whatever
+        # the head width (24 floats are 96 bytes).
         shape = (max_slots, config.kv_heads, splits * self.split, config.attn_head_dim)
-        self.keys = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
-        ]
-        self.values = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
-        ]
+        layers = config.num_hidden_layers
+        cpu = torch.device(device).type == "cpu"
+        zeros = aligned_zeros if cpu else lambda *a: torch.zeros(a[0], dtype=a[1], device=a[2])
+        self.keys = [zeros(shape, dtype, device) for _ in range(layers)]
+        self.values = [zeros(shape, dtype, device) for _ in range(layers)]
         self.lengths = torch.zeros(max_slots, dtype=torch.long)
         self.max_slots, self.max_len = max_slots, max_len
         # origins[i, s]: a slot whose split s holds the bits of slot i's split s (i itself

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.ops.tiles import aligned_zeros
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ class SharedSplits:
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[pairs, live, C] -> [blocks, block_rows, C], the rows no pair uses zero."""
-        c = x.shape[-1]
-        flat = x.new_zeros(self.blocks * self.block_rows, c)
+        c = x.shape[-1]  # rows aligned as the products want them: no copy there
+        flat = aligned_zeros((self.blocks * self.block_rows, c), x.dtype, x.device)
         flat.index_copy_(0, self.rows, x.reshape(-1, c))
         return flat.view(self.blocks, self.block_rows, c)
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.moe_determinism.errors import MoEDeterminismError
-from tandem.moe_determinism.ops import attention_grad, attention_parts
+from tandem.moe_determinism.ops import attention_grad, attention_parts, tiles
 from tandem.moe_determinism.ops.gemm import fixed_shape_bmm, fixed_shape_bmm_indexed, needs_graph
 from tandem.moe_determinism.ops.reduction import fixed_sum
 from tandem.moe_determinism.ops.shared_splits import SharedSplits
@@ -328,11 +328,13 @@ def _attention_cpu_pass(
     if keys_p > tk and kv_slots is None:
         k, v = F.pad(k, (0, 0, 0, keys_p - tk)), F.pad(v, (0, 0, 0, keys_p - tk))
     kp, vp = k.reshape(-1, split, d), v.reshape(-1, split, dv)
+    if in_place and kv_slots is None:  # aligned once here, not block by block in the GEMMs
+        kp, vp = tiles.aligned_rows(kp), tiles.aligned_rows(vp)
     q_blk = GatherBlocks.apply(qr, block_of)
     shared = None
     if shared_rows:
-        shared = SharedSplits.build(kv_block_of, live, Q_BLOCK)
-        k_blk = GatherBlocks.apply(kp, shared.kv_block)
+        shared = SharedSplits.build(kv_block_of, live, Q_BLOCK)  # decoding: no graph
+        k_blk = tiles.gather_aligned(kp, shared.kv_block)
         scores = shared.unpack(fixed_shape_bmm(shared.pack(q_blk[:, :live]), k_blk.mT))
     elif in_place:
         scores = fixed_shape_bmm_indexed(q_blk, kp, kv_block_of, transposed=True)
@@ -356,7 +358,7 @@ def _attention_cpu_pass(
     denom = SplitTreeSum.apply(fixed_sum(p, -1), pair, block_of, blocks, n_sp)
     p_blk = p.to(q.dtype)
     if shared is not None:
-        v_blk = GatherBlocks.apply(vp, shared.kv_block)
+        v_blk = tiles.gather_aligned(vp, shared.kv_block)
         partial = shared.unpack(fixed_shape_bmm(shared.pack(p_blk), v_blk)).to(acc_dtype)
     else:
         if live < Q_BLOCK:  # the second GEMM keeps its fixed shape: padding rows back, as zeros

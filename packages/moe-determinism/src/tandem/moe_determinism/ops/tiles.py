@@ -211,7 +211,7 @@ def indexed_jobs(
 
     def operand(w: int) -> torch.Tensor:
         one = one_block[w]
-        blocks = source[first[w] : first[w] + 1] if one else source.index_select(0, windows[w])
+        blocks = source[first[w] : first[w] + 1] if one else gather_aligned(source, windows[w])
         blocks = aligned_items(blocks.transpose(1, 2) if transposed else blocks)
         return blocks.expand(BATCH, *blocks.shape[1:]) if one else blocks  # aligned once
 
@@ -273,6 +273,31 @@ def row_tiles(a: torch.Tensor) -> torch.Tensor:
     if m % ROW_TILE == 0 and _aligned(a):
         return a.unflatten(-2, (m // ROW_TILE, ROW_TILE))
     return pad_rows(a)
+
+
+def aligned_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Zeros of ``shape`` whose rows (last dim) start on `ALIGN_BYTES` boundaries: a view of
+    a buffer with the row stride rounded up, laid out as `pad_rows` lays out its copies. A
+    KV cache allocated so is read by the split attention's products in place, where rows of
+    another width would be copied out first, block by block, every step."""
+    per_row = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    width = -(-shape[-1] // per_row) * per_row
+    return torch.zeros(*shape[:-1], width, dtype=dtype, device=device)[..., : shape[-1]]
+
+
+def gather_aligned(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source.index_select(0, index)`` with aligned rows, in one copy when ``source`` is
+    a view of an `aligned_zeros` buffer (a KV cache): the gather then takes the buffer's
+    whole rows, padding columns included (zeros, as `pad_rows` would write), so the products
+    read the result in place instead of copying it again."""
+    per_row = max(1, ALIGN_BYTES // source.element_size())
+    width = -(-source.shape[-1] // per_row) * per_row
+    if source.dim() < 2 or source.stride(-1) != 1 or source.stride(-2) != width:
+        return source.index_select(0, index)
+    wide = source.as_strided((*source.shape[:-1], width), source.stride())
+    return wide.index_select(0, index)[..., : source.shape[-1]]
 
 
 def aligned_rows(a: torch.Tensor) -> torch.Tensor:
