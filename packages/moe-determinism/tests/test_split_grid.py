@@ -7,8 +7,17 @@ import pytest
 import torch
 
 from tandem.moe_determinism.errors import MoEDeterminismError
+from tandem.moe_determinism.ops import split_grid
 from tandem.moe_determinism.ops.reduction import tree_sum
 from tandem.moe_determinism.ops.split_grid import SplitTreeSum, prefix_tree_sum
+
+
+@pytest.fixture(params=["by length", "by depth"])
+def grouping(request, monkeypatch) -> str:
+    """Both ways `prefix_tree_sum` groups its blocks: by prefix length (a group's calls
+    priced at nothing) and by tree depth, zero-padded (the calls priced above any padding)."""
+    monkeypatch.setattr(split_grid, "CALL_ELEMENTS", 0 if request.param == "by length" else 1 << 60)
+    return request.param
 
 
 def _dense(values: torch.Tensor, pair: torch.Tensor, blocks: int, n_sp: int) -> torch.Tensor:
@@ -31,7 +40,7 @@ def _pairs(prefix: list[int], n_sp: int, shuffle: torch.Generator | None) -> tor
 
 
 @pytest.mark.parametrize("n_sp", [1, 2, 3, 4, 5, 7, 8, 9, 17])
-def test_prefix_sums_have_the_bits_of_the_dense_grid(n_sp: int) -> None:
+def test_prefix_sums_have_the_bits_of_the_dense_grid(n_sp: int, grouping: str) -> None:
     gen = torch.Generator().manual_seed(n_sp)
     blocks = 40
     prefix = torch.randint(0, n_sp + 1, (blocks,), generator=gen).tolist()
@@ -46,7 +55,7 @@ def test_prefix_sums_have_the_bits_of_the_dense_grid(n_sp: int) -> None:
     assert torch.equal(_bits(got), _bits(_dense(values, pair, blocks, n_sp)))
 
 
-def test_a_block_of_negative_zeros_sums_as_in_the_grid() -> None:
+def test_a_block_of_negative_zeros_sums_as_in_the_grid(grouping: str) -> None:
     for n_sp in range(1, 10):
         for a in range(0, n_sp + 1):
             pair = _pairs([a], n_sp, None)
@@ -67,7 +76,11 @@ def test_the_autograd_function_gives_each_pair_its_blocks_gradient() -> None:
     torch.testing.assert_close(out, torch.zeros_like(out).index_add_(0, pair // n_sp, values))
 
 
-def test_pairs_that_are_not_a_prefix_are_refused() -> None:
+def test_pairs_that_are_not_a_prefix_are_refused(grouping: str) -> None:
     pair = torch.tensor([0, 2])  # block 0 reads splits 0 and 2 of 3
     with pytest.raises(MoEDeterminismError, match="not a prefix"):
         prefix_tree_sum(torch.ones(2, 1), pair, pair // 3, 1, 3)
+    # two blocks of one depth (4 and 3 pairs), the second missing split 2
+    pair = torch.tensor([0, 1, 2, 3, 4, 5, 7])
+    with pytest.raises(MoEDeterminismError, match="not a prefix"):
+        prefix_tree_sum(torch.ones(7, 1), pair, pair // 4, 2, 4)

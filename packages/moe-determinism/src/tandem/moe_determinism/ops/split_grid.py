@@ -56,6 +56,12 @@ class SplitTreeSum(torch.autograd.Function):
         return grad.index_select(0, block_of), None, None, None, None
 
 
+CALL_ELEMENTS = 1 << 15
+"""About what one group's calls cost in `prefix_tree_sum`, in elements copied and summed
+(measured on the CPU): it groups blocks by tree depth when the groups this saves cost more
+than summing the zeros the padding adds (a decode step), else by prefix length (a prefill)."""
+
+
 def _depth(n: int) -> int:
     """Levels of `tree_sum` over n leaves."""
     return max(0, n - 1).bit_length()
@@ -74,7 +80,13 @@ def prefix_tree_sum(
     element out. So the tree over a block's first `a` splits is the dense tree, level for
     level, until it has one element left; where the dense tree has more levels, they only
     add +0 to that element again (which turns -0 into +0 and changes nothing else). Blocks
-    are summed in groups of equal prefix length: no zero-filled grid, no sums of zeros."""
+    are summed in groups of equal prefix length: no zero-filled grid, no sums of zeros.
+
+    A decode step's blocks have as many prefix lengths as a prefill's but few rows each and
+    small sums, so a group per length costs mostly the calls. There the blocks whose trees
+    have the same number of levels are summed together instead, each padded with zeros to
+    that power of two: the tree over `a` leaves is by definition (`tree_sum`) the tree over
+    them so padded, so the bits are the same, in a handful of groups (`CALL_ELEMENTS`)."""
     if values.shape[0] != pair.shape[0] or block_of.shape[0] != pair.shape[0]:
         raise MoEDeterminismError(
             f"split sums: {values.shape[0]} values for {pair.shape[0]} pairs "
@@ -83,20 +95,32 @@ def prefix_tree_sum(
     out = values.new_zeros(blocks, *values.shape[1:])
     if pair.numel() == 0:
         return out
+    dev = values.device
     prefix = torch.bincount(block_of, minlength=blocks)
-    where = torch.full((blocks * n_sp,), -1, dtype=torch.long, device=values.device)
-    where[pair] = torch.arange(pair.numel(), device=values.device)
-    for a in torch.unique(prefix).tolist():
-        if a == 0:
-            continue  # no pair: the dense tree of zeros, +0
-        rows = (prefix == a).nonzero().squeeze(1)
-        idx = (rows[:, None] * n_sp + torch.arange(a, device=values.device)).reshape(-1)
-        pos = where[idx]
+    # where[flat grid position] -> its value's row; -1 where the grid holds no pair
+    where = torch.full((blocks * n_sp,), -1, dtype=torch.long, device=dev)
+    where[pair] = torch.arange(pair.numel(), device=dev)
+    used = prefix > 0
+    depth = torch.where(prefix > 1, torch.log2((prefix - 1).double()).floor() + 1, 0).long()
+    lengths, depths = torch.unique(prefix[used]), torch.unique(depth[used])
+    zeros_added = int(((1 << depth[used]) - prefix[used]).sum()) * values[0].numel()
+    by_depth = (lengths.numel() - depths.numel()) * CALL_ELEMENTS > zeros_added
+    if by_depth:  # a zero row for the padding
+        values = torch.cat([values, values.new_zeros(1, *values.shape[1:])])
+    key, keys = (depth, depths) if by_depth else (prefix, lengths)
+    zero = pair.numel()  # the zero row (by depth)
+    for k in keys.tolist():
+        rows = ((key == k) & used).nonzero().squeeze(1)
+        width = 1 << k if by_depth else k
+        split = torch.arange(width, device=dev)
+        pos = where[rows[:, None] * n_sp + split.clamp_max(n_sp - 1)[None, :]]
+        if by_depth:  # past a block's own splits: the zero row
+            pos = torch.where(split[None, :] < prefix[rows, None], pos, zero)
         if bool((pos < 0).any()):
             raise MoEDeterminismError("split sums: a block's pairs are not a prefix of its splits")
-        leaves = values.index_select(0, pos).view(rows.numel(), a, *values.shape[1:])
-        summed = tree_sum(leaves, dim=1)
-        if _depth(a) < _depth(n_sp):
+        leaves = values.index_select(0, pos.reshape(-1))
+        summed = tree_sum(leaves.view(rows.numel(), width, *values.shape[1:]), dim=1)
+        if (k if by_depth else _depth(k)) < _depth(n_sp):
             summed = summed + 0.0
         out.index_copy_(0, rows, summed)
     return out
