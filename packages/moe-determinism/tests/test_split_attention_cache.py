@@ -104,3 +104,21 @@ def test_cache_reads_need_lengths_and_one_slot_per_row() -> None:
         ops.attention(q, kc, vc, kv_split_size=split, kv_slots=slots)
     with pytest.raises(MoEDeterminismError, match="kv_slots must be"):
         ops.attention(q, kc, vc, kv_split_size=split, kv_lengths=lengths, kv_slots=slots[:2])
+
+
+def test_gathers_of_aligned_rows_equal_plain_gathers() -> None:
+    """`gather_aligned` returns what `index_select` does, with aligned rows for a view of an
+    `aligned_zeros` buffer, and falls back for a view whose padding columns are not there."""
+    from tandem.moe_determinism.ops.tiles import _aligned, aligned_zeros, gather_aligned
+
+    gen = torch.Generator().manual_seed(0)
+    cache = aligned_zeros((6, 64, 24), torch.float32)
+    cache.copy_(torch.randn(6, 64, 24, generator=gen))
+    index = torch.tensor([4, 0, 4, 5])
+    got = gather_aligned(cache, index)
+    assert torch.equal(got, cache.index_select(0, index)) and _aligned(got)
+    # a narrow view of a wider tensor whose last row ends at the storage's end
+    wide = torch.randn(3, 8, 32, generator=gen)
+    tail = wide[..., 8:]  # rows of 24 at a stride of 32: columns past it are not padding
+    got = gather_aligned(tail, torch.tensor([2, 1]))
+    assert torch.equal(got, tail.index_select(0, torch.tensor([2, 1])))

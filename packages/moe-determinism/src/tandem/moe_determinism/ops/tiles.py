@@ -296,7 +296,12 @@ def gather_aligned(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     width = -(-source.shape[-1] // per_row) * per_row
     if source.dim() < 2 or source.stride(-1) != 1 or source.stride(-2) != width:
         return source.index_select(0, index)
-    wide = source.as_strided((*source.shape[:-1], width), source.stride())
+    shape = (*source.shape[:-1], width)
+    strides = source.stride()
+    last = source.storage_offset() + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    if 0 in shape or (last + 1) * source.element_size() > source.untyped_storage().nbytes():
+        return source.index_select(0, index)  # the padding columns are not all there
+    wide = source.as_strided(shape, source.stride())
     return wide.index_select(0, index)[..., : source.shape[-1]]
 
 
