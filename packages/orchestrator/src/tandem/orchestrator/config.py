@@ -68,8 +68,7 @@ class EpisodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     ``max_observation_chars``: a tool observation longer than this keeps its head and tail
     and says how much was cut (a small model's context cannot hold a whole file).
-    ``compaction``: what an episode does when its context fills (`CompactionConfig`).
-    """
+    ``compaction``: what an episode does when its context fills (`CompactionConfig`)."""
 
     max_observation_chars: int = 600
     compaction: CompactionConfig = msgspec.field(default_factory=CompactionConfig)
@@ -99,18 +98,15 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     taken from the rollout policy; the others reuse the batch with the first pass's
     log-probs as the clipped ratio's old policy. The policy version still advances by one
     per step (one published version), so staleness keeps its meaning. Only the first pass
-    is compared with the engine, so the later ones run torch's own kernels (on the trainer's
-    thread alone: the engine beside it stays invariant), about twice as fast on the demo's
-    step; ``exact_later_updates`` keeps them batch-invariant too. ``logits_chunk``:
-    the tokens whose logits are formed at once when scoring (each chunk's logits are
-    recomputed in backward, so memory does not grow with tokens x vocabulary; 0: a
-    micro-batch's at once); the log-probs are the same bits either way.
-    ``activation_checkpointing``: each decoder layer's activations are recomputed in backward
-    instead of kept (memory bounded by one layer's, for about one more forward of time).
-    ``loss``: the GRPO
-    loss, advantages and importance correction (`tandem.grpo.GRPOConfig`); with
-    ``loss.kl_coef`` > 0 the trainer keeps a frozen copy of the policy the run started from
-    as the KL reference.
+    is compared with the engine: the later ones run torch's own kernels (the trainer's thread
+    alone), unless ``exact_later_updates``. ``logits_chunk``: the tokens whose logits are
+    formed at once when scoring (each chunk's logits are recomputed in backward, so memory
+    does not grow with tokens x vocabulary; 0: a micro-batch's at once); the log-probs are
+    the same bits either way. ``activation_checkpointing``: each decoder layer's activations
+    are recomputed in backward instead of kept (memory bounded by one layer's, for about one
+    more forward of time). ``loss``: the GRPO loss, advantages and importance correction
+    (`tandem.grpo.GRPOConfig`); with ``loss.kl_coef`` > 0 the trainer keeps a frozen copy of
+    the policy the run started from as the KL reference.
     """
 
     lr: float = 3e-4
