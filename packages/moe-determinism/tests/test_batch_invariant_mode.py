@@ -7,8 +7,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from tandem.moe_determinism import batch_invariant, is_batch_invariant, ops
-from tandem.moe_determinism.mode import stock_kernels
+from tandem.moe_determinism import batch_invariant, is_batch_invariant, ops, stock_kernels
 
 
 def _variant_rows(fn, x: torch.Tensor) -> list[int]:
@@ -102,12 +101,13 @@ def test_stock_kernels_on_one_thread_inside_the_scope(monkeypatch) -> None:
             name,
             lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k),
         )
-    a, w = torch.randn(5, 300), torch.randn(200, 300)
+    a, w, bias = torch.randn(5, 300), torch.randn(200, 300), torch.randn(200)
     x = torch.randn(7, 1000) * 3
 
     def run() -> dict[str, torch.Tensor]:
         return {
             "linear": F.linear(a, w),
+            "linear with bias": F.linear(a, w, bias),  # addmm: torch's fused kernel
             "log_softmax": torch.log_softmax(x, -1),
             "softmax": torch.softmax(x, -1),
             "mean": x.mean(-1),

@@ -13,11 +13,29 @@ from tandem.moe_determinism.ops.split_grid import SplitTreeSum, prefix_tree_sum
 
 
 @pytest.fixture(params=["by length", "by depth"])
-def grouping(request, monkeypatch) -> str:
+def grouping(request, monkeypatch) -> list[int]:
     """Both ways `prefix_tree_sum` groups its blocks: by prefix length (a group's calls
-    priced at nothing) and by tree depth, zero-padded (the calls priced above any padding)."""
+    priced at nothing) and by tree depth, zero-padded (the calls priced above any padding).
+    Returns the widths of the sums it makes, for the test to check which way it went."""
     monkeypatch.setattr(split_grid, "CALL_ELEMENTS", 0 if request.param == "by length" else 1 << 60)
-    return request.param
+    widths: list[int] = []
+
+    def recording(leaves: torch.Tensor, dim: int) -> torch.Tensor:
+        widths.append(leaves.shape[dim])
+        return tree_sum(leaves, dim)
+
+    monkeypatch.setattr(split_grid, "tree_sum", recording)
+    widths.append(-1 if request.param == "by length" else -2)  # the first entry names the way
+    return widths
+
+
+def _went(widths: list[int], prefix: list[int]) -> None:
+    """The sums were made the way the `grouping` fixture asked for."""
+    lengths = sorted({a for a in prefix if a})
+    powers = sorted({1 << max(0, a - 1).bit_length() for a in lengths})
+    # by depth only where it makes fewer groups than by length
+    want = lengths if widths[0] == -1 or len(powers) == len(lengths) else powers
+    assert sorted(widths[1:]) == want
 
 
 def _dense(values: torch.Tensor, pair: torch.Tensor, blocks: int, n_sp: int) -> torch.Tensor:
@@ -40,7 +58,7 @@ def _pairs(prefix: list[int], n_sp: int, shuffle: torch.Generator | None) -> tor
 
 
 @pytest.mark.parametrize("n_sp", [1, 2, 3, 4, 5, 7, 8, 9, 17])
-def test_prefix_sums_have_the_bits_of_the_dense_grid(n_sp: int, grouping: str) -> None:
+def test_prefix_sums_have_the_bits_of_the_dense_grid(n_sp: int, grouping: list[int]) -> None:
     gen = torch.Generator().manual_seed(n_sp)
     blocks = 40
     prefix = torch.randint(0, n_sp + 1, (blocks,), generator=gen).tolist()
@@ -53,16 +71,19 @@ def test_prefix_sums_have_the_bits_of_the_dense_grid(n_sp: int, grouping: str) -
         values[0] = -0.0
     got = prefix_tree_sum(values, pair, pair // n_sp, blocks, n_sp)
     assert torch.equal(_bits(got), _bits(_dense(values, pair, blocks, n_sp)))
+    _went(grouping, prefix)
 
 
-def test_a_block_of_negative_zeros_sums_as_in_the_grid(grouping: str) -> None:
+def test_blocks_of_negative_zeros_sum_as_in_the_grid(grouping: list[int]) -> None:
     for n_sp in range(1, 10):
-        for a in range(0, n_sp + 1):
-            pair = _pairs([a], n_sp, None)
-            values = torch.full((a, 1), -0.0)
-            got = prefix_tree_sum(values, pair, pair // n_sp, 1, n_sp)
-            want = _dense(values, pair, 1, n_sp)
-            assert torch.equal(_bits(got), _bits(want)), (n_sp, a)
+        prefix = list(range(0, n_sp + 1))  # a block of every prefix length, in one call
+        pair = _pairs(prefix, n_sp, None)
+        values = torch.full((pair.numel(), 1), -0.0)
+        del grouping[1:]  # this call's sums only
+        got = prefix_tree_sum(values, pair, pair // n_sp, len(prefix), n_sp)
+        want = _dense(values, pair, len(prefix), n_sp)
+        assert torch.equal(_bits(got), _bits(want)), n_sp
+        _went(grouping, prefix)
 
 
 def test_the_autograd_function_gives_each_pair_its_blocks_gradient() -> None:
@@ -76,7 +97,7 @@ def test_the_autograd_function_gives_each_pair_its_blocks_gradient() -> None:
     torch.testing.assert_close(out, torch.zeros_like(out).index_add_(0, pair // n_sp, values))
 
 
-def test_pairs_that_are_not_a_prefix_are_refused(grouping: str) -> None:
+def test_pairs_that_are_not_a_prefix_are_refused(grouping: list[int]) -> None:
     pair = torch.tensor([0, 2])  # block 0 reads splits 0 and 2 of 3
     with pytest.raises(MoEDeterminismError, match="not a prefix"):
         prefix_tree_sum(torch.ones(2, 1), pair, pair // 3, 1, 3)

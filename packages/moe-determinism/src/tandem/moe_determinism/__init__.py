@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         compare_logprobs,
         routing_agreement,
     )
-    from tandem.moe_determinism.mode import batch_invariant, is_batch_invariant
+    from tandem.moe_determinism.mode import batch_invariant, is_batch_invariant, stock_kernels
     from tandem.moe_determinism.model import (
         KVCache,
         MoEConfig,
@@ -57,6 +57,7 @@ _HOME = {
     "compare_logprobs": "metrics",
     "deterministic_topk": "routing",
     "is_batch_invariant": "mode",
+    "stock_kernels": "mode",
     "load_hf": "model",
     "route": "routing",
     "routing_agreement": "metrics",
@@ -88,6 +89,7 @@ __all__ = [
     "routing_agreement",
     "sampling_logits",
     "save_hf",
+    "stock_kernels",
     "target_logprobs",
     "target_logprobs_entropy",
 ]

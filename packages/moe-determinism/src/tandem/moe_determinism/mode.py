@@ -65,6 +65,9 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _addmm_impl(
     bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
 ) -> torch.Tensor:
+    if _on_stock():  # torch's fused kernel, not a product and an add
+        out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+        return torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
     prod = _mm_impl(a, b)
     if alpha != 1:
         prod = prod * alpha

@@ -243,8 +243,8 @@ def _stock_by_sequence(
             ki, vi = ki.repeat_interleave(group, 1), vi.repeat_interleave(group, 1)
         mask = None
         if offset:  # queries at offset.., keys 0..span-1: causal aligned at the bottom right
-            pos = torch.arange(offset, offset + count, device=q.device)
-            mask = torch.arange(span, device=q.device)[None, :] <= pos[:, None]
+            pos = torch.arange(offset, offset + count, device=q.device)[None]
+            mask = ops.attention_mask(pos, kv_len[i : i + 1], span, True)
         out = F.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale
         )

@@ -40,11 +40,15 @@ class KVCache:
         # attention's products read the splits in place instead of copying them, whatever
         # the head width (24 floats are 96 bytes).
         shape = (max_slots, config.kv_heads, splits * self.split, config.attn_head_dim)
-        layers = config.num_hidden_layers
         cpu = torch.device(device).type == "cpu"
-        zeros = aligned_zeros if cpu else lambda *a: torch.zeros(a[0], dtype=a[1], device=a[2])
-        self.keys = [zeros(shape, dtype, device) for _ in range(layers)]
-        self.values = [zeros(shape, dtype, device) for _ in range(layers)]
+
+        def zeros() -> torch.Tensor:
+            if cpu:
+                return aligned_zeros(shape, dtype, device)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.keys = [zeros() for _ in range(config.num_hidden_layers)]
+        self.values = [zeros() for _ in range(config.num_hidden_layers)]
         self.lengths = torch.zeros(max_slots, dtype=torch.long)
         self.max_slots, self.max_len = max_slots, max_len
         # origins[i, s]: a slot whose split s holds the bits of slot i's split s (i itself

@@ -63,11 +63,16 @@ def _split(count: int, parts: int, step_multiple: int = 1) -> list[tuple[int, in
     return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
 
 
+def _row_width(cols: int, dtype: torch.dtype) -> int:
+    """``cols`` rounded up to a whole number of `ALIGN_BYTES`: the row stride of an aligned
+    buffer (`pad_rows`, `aligned_zeros`)."""
+    per_row = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    return -(-cols // per_row) * per_row
+
+
 def _aligned_empty(p: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """A fresh [p, rows, cols] whose rows start on `ALIGN_BYTES` boundaries."""
-    per_row = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-    width = -(-cols // per_row) * per_row
-    return torch.empty(p, rows, width, dtype=dtype)[..., :cols]
+    return torch.empty(p, rows, _row_width(cols, dtype), dtype=dtype)[..., :cols]
 
 
 def _one_by_one(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -258,8 +263,7 @@ def pad_rows(a: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
     up): every tile has the same layout whatever the caller's strides were."""
     m, k = a.shape[-2], a.shape[-1]
     tiles = -(-m // rows)
-    per_row = max(1, ALIGN_BYTES // a.element_size())
-    width = -(-k // per_row) * per_row
+    width = _row_width(k, a.dtype)
     padded = a.new_zeros(*a.shape[:-2], tiles * rows, width)
     padded[..., :m, :k] = a
     return padded.view(*a.shape[:-2], tiles, rows, width)[..., :k]
@@ -282,8 +286,7 @@ def aligned_zeros(
     a buffer with the row stride rounded up, laid out as `pad_rows` lays out its copies. A
     KV cache allocated so is read by the split attention's products in place, where rows of
     another width would be copied out first, block by block, every step."""
-    per_row = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-    width = -(-shape[-1] // per_row) * per_row
+    width = _row_width(shape[-1], dtype)
     return torch.zeros(*shape[:-1], width, dtype=dtype, device=device)[..., : shape[-1]]
 
 
@@ -292,8 +295,7 @@ def gather_aligned(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     a view of an `aligned_zeros` buffer (a KV cache): the gather then takes the buffer's
     whole rows, padding columns included (zeros, as `pad_rows` would write), so the products
     read the result in place instead of copying it again."""
-    per_row = max(1, ALIGN_BYTES // source.element_size())
-    width = -(-source.shape[-1] // per_row) * per_row
+    width = _row_width(source.shape[-1], source.dtype)
     if source.dim() < 2 or source.stride(-1) != 1 or source.stride(-2) != width:
         return source.index_select(0, index)
     shape = (*source.shape[:-1], width)

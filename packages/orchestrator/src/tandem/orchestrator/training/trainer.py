@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from tandem.grpo import GRPOStep, RolloutBatch, shard_by_group
-from tandem.moe_determinism import MoETransformer, batch_invariant
-from tandem.moe_determinism.mode import stock_kernels
+from tandem.moe_determinism import MoETransformer, batch_invariant, stock_kernels
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.training.agreement import kl_to_start, mismatch, routing_check
 from tandem.orchestrator.training.collate import collate
