@@ -236,11 +236,11 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trainer_version - v <= max_staleness (the rule: `tandem.orchestrator.rl.staleness`).
     ``rollout_workers``: groups in flight at once. ``max_ahead``: how many trainer steps
     rollouts may start ahead (0: max_staleness + 1, the bound that keeps drops rare).
-    ``backend``: where the engines run, ``local`` (one in this process) or ``ray`` (rollout
-    actors, see `RayConfig`). ``curriculum``: which tasks at the cursor are played.
-    ``torch_threads``: torch's CPU threads in this process while the stage runs (0: torch's
-    default; Ray actors have ``ray.torch_threads``); with the local backend the engine and the
-    trainer are two threads of this process (on 2 cores, 1 lets each have a core).
+    ``backend``: where the engines run, ``local`` (one in this process), ``process`` (one in
+    a child process: `ProcessRollouts`) or ``ray`` (rollout actors, see `RayConfig`).
+    ``curriculum``: which tasks at the cursor are played. ``torch_threads``: torch's CPU
+    threads of this process and of a ``process`` engine (0: torch's default; Ray actors have
+    ``ray.torch_threads``; on 2 cores 1 lets the engine and the trainer each have a core).
     ``max_equal_groups``: equal-reward groups in a row that end the run (0: it waits on).
     ``tool_error_penalty``: taken off an episode's training reward for each call the
     environment answered with an error (an edit whose old text is not in the file, a
@@ -248,7 +248,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     samples; pass rates and per-category rewards stay the environment's."""
 
     mode: Literal["async", "sync", "pipelined"] = "async"
-    backend: Literal["local", "ray"] = "local"
+    backend: Literal["local", "process", "ray"] = "local"
     steps: int = 20
     group_size: int = 4
     groups_per_step: int = 4

@@ -179,11 +179,17 @@ def check_rl_engine(config: RunConfig) -> None:
     servers serve the ``local`` backend's rollouts (one engine over ``engine.vllm.urls``, or
     a server started on loopback), and on the ``ray`` backend each rollout actor starts a
     server of its own; servers given by URL would be shared by actors that each follow
-    the weight stream, so the ``ray`` backend refuses them."""
+    the weight stream, so the ``ray`` backend refuses them; the ``process`` backend's child
+    runs an embedded engine only."""
     if config.engine.kind == "vllm" and config.rl.backend == "ray" and config.engine.vllm.urls:
         raise ConfigValueError(
             "engine.vllm.urls with rl.backend = 'ray': each rollout actor starts and updates "
             "a vLLM server of its own; give servers by URL with rl.backend = 'local'"
+        )
+    if config.engine.kind == "vllm" and config.rl.backend == "process":
+        raise ConfigValueError(
+            "engine.kind = 'vllm' with rl.backend = 'process': 'process' runs an embedded "
+            "engine in a child process, and vLLM servers run apart already; use 'local'"
         )
 
 

@@ -1,5 +1,5 @@
-"""Where a run's engines and trainer live: in this process (``local``) or on a Ray cluster
-(``ray``), chosen by ``rl.backend``.
+"""Where a run's engines and trainer live: in this process (``local``), the engine in a child
+process (``process``) or on a Ray cluster (``ray``), chosen by ``rl.backend``.
 
 Each backend is a module with a ``build(start, *, policy, config, tasks, run_dir)`` that
 returns a `tandem.orchestrator.protocols.Backend`; `RLRun` drives every one the same way. A
@@ -18,6 +18,7 @@ from tandem.orchestrator.rollout.tasks import TaskSource
 
 BACKENDS = {
     "local": "tandem.orchestrator.backends.local",
+    "process": "tandem.orchestrator.backends.local",
     "ray": "tandem.orchestrator.backends.ray",
 }
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -78,16 +79,24 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
 class RolloutWorker:
     """The body of a rollout actor (`RayRollouts` wraps it with ``ray.remote``)."""
 
-    def __init__(self, spec: WorkerSpec, name: str, torch_threads: int, poll_s: float) -> None:
+    def __init__(
+        self, spec: WorkerSpec, name: str, torch_threads: int, poll_s: float | None
+    ) -> None:
         self.spec, self.name = spec, name
         self.torch_threads, self.poll_s = torch_threads, poll_s
         self.rollouts: LocalRollouts | VllmRollouts | None = None
         self._scope = contextlib.ExitStack()
 
-    async def start(self, follow: bool = True, version: int | None = None) -> int:
+    async def start(
+        self,
+        follow: bool = True,
+        version: int | None = None,
+        on_apply: Callable[[int], None] | None = None,
+    ) -> int:
         """Build the engine and reach ``version`` (default: the newest) with one pull;
         returns it. With ``follow`` the engine also pulls each newer version by itself
-        (otherwise only on `sync_to`)."""
+        (otherwise only on `sync_to`). ``on_apply``: called (in the engine's thread) with
+        each version an embedded engine applies after this one."""
         from tandem.agent_env import Env
         from tandem.delta_sync import Subscriber, open_store
         from tandem.orchestrator.runtime.allocator import reuse_freed_memory
@@ -116,6 +125,8 @@ class RolloutWorker:
         prepared = await asyncio.to_thread(subscriber.prepare, version)
         engine.stage_update(prepared)
         engine.apply_pending()
+        if on_apply is not None:
+            engine.on_apply = lambda applied, _state: on_apply(applied)
         self.rollouts = LocalRollouts(
             engine,
             subscriber,
