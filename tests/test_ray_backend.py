@@ -90,7 +90,13 @@ def test_two_rollout_actors_and_two_trainer_ranks_give_the_local_weights(
     demo = load_config(PipelineConfig, ROOT / "configs" / "demo.toml").rl
     # two groups a step, one per trainer rank, of four: what is checked needs no more
     rl = msgspec.structs.replace(
-        demo, mode="pipelined", steps=3, groups_per_step=2, group_size=4, checkpoint_every=10
+        demo,
+        backend="local",
+        mode="pipelined",
+        steps=3,
+        groups_per_step=2,
+        group_size=4,
+        checkpoint_every=10,
     )
     # one process accumulating as two ranks would; CPU kernels split work by thread, so it
     # runs with the ranks' one thread each
