@@ -2,8 +2,9 @@
 
 The child follows the run's weight store by itself; a pipelined run (whose schedule does
 not depend on timing) gives the in-process backend's weights bit for bit, the engine's
-log-probs equal the trainer's on same-version samples, a killed child stops the run with
-its exit code, and what the child cannot do is refused before any work.
+log-probs equal the trainer's on same-version samples, the child's log events are logged
+by the parent, a killed child stops the run with its exit code, and what the child cannot
+do is refused before any work.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 from rl_helpers import parity, tiny_config, tiny_run
 
 from tandem.orchestrator.artifacts.metrics import read_metrics
@@ -39,7 +41,8 @@ def test_process_engine_gives_the_in_process_run_bit_for_bit(tmp_path: Path) -> 
         RunHooks(reward=parity, on_step=lambda step, m: child.append(remote.rollouts.pid)),
         check_rows=2,
     )
-    summary = remote.run()
+    with structlog.testing.capture_logs() as logged:
+        summary = remote.run()
 
     assert summary.steps_done == local_summary.steps_done == 3
     assert weights_equal(state_for_sync(remote.policy), state_for_sync(local.policy))
@@ -52,6 +55,11 @@ def test_process_engine_gives_the_in_process_run_bit_for_bit(tmp_path: Path) -> 
     assert same_version and all(r["mismatch_max_abs"] == 0.0 for r in same_version)
     assert all(r["routing_agreement_replay"] == 1.0 for r in records)
     assert not remote.rollouts._proc.is_alive()  # closed with the run
+    # the child's events are logged here: its start, and the engine applying each version
+    events = [e["event"] for e in logged]
+    assert "rollouts.worker_ready" in events
+    applied = [e["version"] for e in logged if e["event"] == "delta_sync.applied"]
+    assert applied == [0, 1, 2]
 
 
 def test_async_process_engine_follows_every_version(tmp_path: Path) -> None:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import multiprocessing
 import os
+import pickle
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -31,7 +32,7 @@ import structlog
 
 from tandem.orchestrator.backends.ray.worker import RolloutWorker, WorkerSpec
 from tandem.orchestrator.runtime.lifetime import end_with_parent
-from tandem.orchestrator.runtime.worker_logging import driver_log_level, log_from
+from tandem.orchestrator.runtime.worker_logging import driver_log_level
 from tandem.orchestrator.wire import PlayedGroup, RolloutStats, decode
 
 log = structlog.get_logger()
@@ -56,10 +57,10 @@ class _ChildArgs:
 class ProcessRollouts:
     """`Rollouts` played by one engine in a child process (same interface as `LocalRollouts`).
 
-    The child is spawned by `start` (a forked torch whose thread pool has run can hang); its
-    imports and engine build overlap nothing else of this process, about as long as a
-    replica's start. ``version`` is the newest version the child's engine has applied (the
-    child reports each one as it applies it)."""
+    The child is spawned by `start` (a forked torch whose thread pool has run can hang) and
+    takes about 2 s to import, build its engine and pull the weights. ``version`` is the
+    newest version the child's engine has applied (it reports each one as it applies it).
+    Its log events are logged by this process, as if they were its own."""
 
     def __init__(self, spec: WorkerSpec, *, torch_threads: int, poll_s: float | None = None):
         self.spec, self.torch_threads, self.poll_s = spec, torch_threads, poll_s
@@ -107,7 +108,7 @@ class ProcessRollouts:
             target=self._read, args=(inbox, loop), name="tandem-rollouts-reader", daemon=True
         ).start()
         watcher = asyncio.create_task(self._watch())
-        self._version = await self._call("start", follow)
+        self._version = max(self._version, await self._call("start", follow))
         log.info("rl.rollout_process", pid=self._proc.pid, version=self._version)
         return [watcher]
 
@@ -177,6 +178,10 @@ class ProcessRollouts:
         if kind == "version":
             self._version = max(self._version, value)
             return
+        if kind == "log":
+            method, event = value
+            getattr(log, method, log.info)(event.pop("event", "rollouts.event"), **event)
+            return
         future = self._pending.get(rid)
         if future is None or future.done():
             return
@@ -209,19 +214,38 @@ class ProcessRollouts:
 def _child_main(args: _ChildArgs, inbox: Connection, outbox: Connection) -> None:
     """The child: a `RolloutWorker` serving the parent's requests until ``stop`` or EOF."""
     end_with_parent(args.parent)
-    log_from(max(args.log_level, logging.INFO))()
-    asyncio.run(_serve(args, inbox, outbox))
-
-
-async def _serve(args: _ChildArgs, inbox: Connection, outbox: Connection) -> None:
-    worker = RolloutWorker(args.spec, "process", args.torch_threads, args.poll_s)
-    loop = asyncio.get_running_loop()
-    requests: asyncio.Queue[tuple[str, int, tuple[Any, ...]] | None] = asyncio.Queue()
-    lock = threading.Lock()  # replies from the loop, versions from the engine's thread
+    lock = threading.Lock()  # replies from the loop; versions and logs from other threads
 
     def send(message: tuple[str, int, Any]) -> None:
         with lock:
             outbox.send(message)
+
+    structlog.configure(
+        processors=[_to_parent(send)],
+        wrapper_class=structlog.make_filtering_bound_logger(args.log_level),
+    )
+    asyncio.run(_serve(args, inbox, send))
+
+
+def _to_parent(send: Callable[[tuple[str, int, Any]], None]) -> Callable[..., Any]:
+    """A structlog processor that hands each event to the parent to log, and drops it here."""
+
+    def forward(_logger: Any, method: str, event: dict[str, Any]) -> Any:
+        try:
+            send(("log", -1, (method, event)))
+        except (TypeError, AttributeError, pickle.PicklingError):  # a value that cannot cross
+            send(("log", -1, (method, {k: repr(v) for k, v in event.items()})))
+        raise structlog.DropEvent
+
+    return forward
+
+
+async def _serve(
+    args: _ChildArgs, inbox: Connection, send: Callable[[tuple[str, int, Any]], None]
+) -> None:
+    worker = RolloutWorker(args.spec, "process", args.torch_threads, args.poll_s)
+    loop = asyncio.get_running_loop()
+    requests: asyncio.Queue[tuple[str, int, tuple[Any, ...]] | None] = asyncio.Queue()
 
     def read() -> None:
         while True:

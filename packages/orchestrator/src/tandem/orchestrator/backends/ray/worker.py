@@ -114,7 +114,7 @@ class RolloutWorker:
                 spec, self.name, self._scope, version=version, chat=chat, open_env=open_env
             )
             await self.rollouts.start(follow=follow)
-            log.info("ray.worker_ready", worker=self.name, version=self.rollouts.version)
+            log.info("rollouts.worker_ready", worker=self.name, version=self.rollouts.version)
             return self.rollouts.version
         self._scope.enter_context(batch_invariant(spec.engine.deterministic))
         model = MoETransformer(spec.model)
@@ -137,7 +137,7 @@ class RolloutWorker:
             open_env=open_env,
         )
         await self.rollouts.start(follow=follow)
-        log.info("ray.worker_ready", worker=self.name, version=engine.version)
+        log.info("rollouts.worker_ready", worker=self.name, version=engine.version)
         return engine.version
 
     def _live(self) -> LocalRollouts | VllmRollouts:
