@@ -139,16 +139,6 @@ def _process_rollouts(
     run_dir: Path,
 ) -> ProcessRollouts:
     """An embedded engine in a child process, following the run's stream by itself."""
-    spec = WorkerSpec(
-        model=policy.config,
-        engine=config.engine,
-        env=config.env,
-        episode=config.episode,
-        tasks=tasks.config,
-        task_seed=tasks.seed,
-        task_offset=tasks.offset,
-        seed=config.run.seed,
-        group_size=config.rl.group_size,
-        store_url=stream_url(config.rl.weights_store, run_dir, start.stream),
-    )
+    store_url = stream_url(config.rl.weights_store, run_dir, start.stream)
+    spec = WorkerSpec.for_run(config, policy.config, tasks, store_url)
     return ProcessRollouts(spec, torch_threads=config.rl.torch_threads)

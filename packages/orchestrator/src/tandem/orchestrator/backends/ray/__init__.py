@@ -83,17 +83,11 @@ def build(
         torch_threads=rl.ray.torch_threads,
         nice=rl.ray.trainer_nice,
     )
-    worker = WorkerSpec(
-        model=policy.config,
-        engine=engine,
-        env=config.env,
-        episode=config.episode,
-        tasks=tasks.config,
-        task_seed=tasks.seed,
-        task_offset=tasks.offset,
-        seed=config.run.seed,
-        group_size=rl.group_size,
-        store_url=stream_url(rl.ray.pull_from or rl.weights_store, run_dir, start.stream),
+    worker = WorkerSpec.for_run(
+        config,
+        policy.config,
+        tasks,
+        stream_url(rl.ray.pull_from or rl.weights_store, run_dir, start.stream),
     )
     # the rollout actors and their environment pools start beside the trainer ranks
     rollouts = RayRollouts(worker, rl.ray, run_name=config.run.name, stream=start.stream)

@@ -24,7 +24,7 @@ import torch
 from tandem.agent_env import EnvConfig
 from tandem.moe_determinism import MoEConfig, MoETransformer, batch_invariant
 from tandem.orchestrator.backends.ray.envs import EnvPools
-from tandem.orchestrator.config import EngineConfig, EpisodeConfig, TaskConfig
+from tandem.orchestrator.config import EngineConfig, EpisodeConfig, RunConfig, TaskConfig
 from tandem.orchestrator.inference.embedded.engine import InferenceEngine
 from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.rollout.local import LocalRollouts
@@ -51,6 +51,25 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     group_size: int
     store_url: str
     env_pools: list[str] = []  # actor names; empty: local sandboxes
+
+    @classmethod
+    def for_run(
+        cls, config: RunConfig, model: MoEConfig, tasks: TaskSource, store_url: str
+    ) -> WorkerSpec:
+        """The spec of a run's rollout engines: its engine, episodes and tasks on ``model``,
+        following the stream at ``store_url``."""
+        return cls(
+            model=model,
+            engine=config.engine,
+            env=config.env,
+            episode=config.episode,
+            tasks=tasks.config,
+            task_seed=tasks.seed,
+            task_offset=tasks.offset,
+            seed=config.run.seed,
+            group_size=config.rl.group_size,
+            store_url=store_url,
+        )
 
     def task_source(self) -> TaskSource:
         return TaskSource(self.tasks, self.task_seed, offset=self.task_offset)
