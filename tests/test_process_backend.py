@@ -62,7 +62,7 @@ def test_process_engine_gives_the_in_process_run_bit_for_bit(tmp_path: Path) -> 
     assert applied == [0, 1, 2]
 
 
-def test_async_process_engine_follows_every_version(tmp_path: Path) -> None:
+def test_async_process_engine_follows_every_version_and_ignores_sigint(tmp_path: Path) -> None:
     rl = RLConfig(
         mode="async",
         backend="process",
@@ -75,11 +75,13 @@ def test_async_process_engine_follows_every_version(tmp_path: Path) -> None:
         torch_threads=1,
     )
     versions: list[int] = []
-    run = tiny_run(
-        tmp_path,
-        rl,
-        RunHooks(reward=parity, on_step=lambda step, m: versions.append(run.rollouts.version)),
-    )
+
+    def on_step(step: int, _metrics: dict) -> None:
+        versions.append(run.rollouts.version)
+        if step == 0:  # Ctrl-C in a terminal reaches the child too: it plays on
+            os.kill(run.rollouts.pid, signal.SIGINT)
+
+    run = tiny_run(tmp_path, rl, RunHooks(reward=parity, on_step=on_step))
     summary = run.run()
     assert summary.steps_done == 3 and summary.policy_version == 3
     assert versions == sorted(versions) and versions[0] >= 0

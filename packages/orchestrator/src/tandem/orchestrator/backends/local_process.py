@@ -21,6 +21,7 @@ import itertools
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -212,7 +213,12 @@ class ProcessRollouts:
 
 
 def _child_main(args: _ChildArgs, inbox: Connection, outbox: Connection) -> None:
-    """The child: a `RolloutWorker` serving the parent's requests until ``stop`` or EOF."""
+    """The child: a `RolloutWorker` serving the parent's requests until ``stop`` or EOF.
+
+    It ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the parent
+    stops a run cleanly on it (finishing the step, writing a checkpoint) while this engine
+    still serves it; the parent ends the child on `close`, or the kernel with the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     end_with_parent(args.parent)
     lock = threading.Lock()  # replies from the loop; versions and logs from other threads
 
