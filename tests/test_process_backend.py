@@ -9,6 +9,7 @@ do is refused before any work.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
@@ -41,8 +42,16 @@ def test_process_engine_gives_the_in_process_run_bit_for_bit(tmp_path: Path) -> 
         RunHooks(reward=parity, on_step=lambda step, m: child.append(remote.rollouts.pid)),
         check_rows=2,
     )
-    with structlog.testing.capture_logs() as logged:
-        summary = remote.run()
+    saved = structlog.get_config()  # whatever earlier tests configured, given back after
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        cache_logger_on_first_use=False,
+    )
+    try:
+        with structlog.testing.capture_logs() as logged:
+            summary = remote.run()
+    finally:
+        structlog.configure(**saved)
 
     assert summary.steps_done == local_summary.steps_done == 3
     assert weights_equal(state_for_sync(remote.policy), state_for_sync(local.policy))
