@@ -71,8 +71,7 @@ class ProcessRollouts:
         self._gone: asyncio.Event | None = None
         self._closing = False
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._outbox: Connection | None = None
-        self._send_lock = threading.Lock()
+        self._outbox: Connection | None = None  # written on the event loop's thread only
 
     @property
     def version(self) -> int:
@@ -105,9 +104,7 @@ class ProcessRollouts:
         child_in.close()  # this process keeps only its own ends: EOF when the child dies
         child_out.close()
         self._gone = asyncio.Event()
-        threading.Thread(
-            target=self._read, args=(inbox, loop), name="tandem-rollouts-reader", daemon=True
-        ).start()
+        _deliver_in_loop(inbox, loop, self._on_message, "tandem-rollouts-reader")
         watcher = asyncio.create_task(self._watch())
         self._version = max(self._version, await self._call("start", follow))
         log.info("rl.rollout_process", pid=self._proc.pid, version=self._version)
@@ -158,23 +155,14 @@ class ProcessRollouts:
         if self._outbox is None:
             raise RuntimeError("the rollout process was not started")
         try:
-            with self._send_lock:
-                self._outbox.send(message)
+            self._outbox.send(message)
         except (BrokenPipeError, OSError) as e:
             raise RolloutProcessFailed(self._exit_reason()) from e
 
-    def _read(self, inbox: Connection, loop: asyncio.AbstractEventLoop) -> None:
-        """This process's reader: each message to the event loop, then the child's end."""
-        while True:
-            try:
-                message = inbox.recv()
-            except (EOFError, OSError):
-                break
-            loop.call_soon_threadsafe(self._on_message, message)
-        with contextlib.suppress(RuntimeError):  # the loop may have closed already
-            loop.call_soon_threadsafe(self._on_exit)
-
-    def _on_message(self, message: tuple[str, int, Any]) -> None:
+    def _on_message(self, message: tuple[str, int, Any] | None) -> None:
+        if message is None:  # the child's end of the pipe closed: it exited
+            self._on_exit()
+            return
         kind, rid, value = message
         if kind == "version":
             self._version = max(self._version, value)
@@ -253,16 +241,6 @@ async def _serve(
     loop = asyncio.get_running_loop()
     requests: asyncio.Queue[tuple[str, int, tuple[Any, ...]] | None] = asyncio.Queue()
 
-    def read() -> None:
-        while True:
-            try:
-                message = inbox.recv()
-            except (EOFError, OSError):
-                message = None
-            loop.call_soon_threadsafe(requests.put_nowait, message)
-            if message is None:
-                return
-
     async def handle(op: str, rid: int, call: tuple[Any, ...]) -> None:
         try:
             if op == "start":
@@ -281,7 +259,7 @@ async def _serve(
         except Exception:
             send(("error", rid, traceback.format_exc()))
 
-    threading.Thread(target=read, name="tandem-rollouts-requests", daemon=True).start()
+    _deliver_in_loop(inbox, loop, requests.put_nowait, "tandem-rollouts-requests")
     running: set[asyncio.Task[None]] = set()
     stop_id = None
     while (message := await requests.get()) is not None:
@@ -301,3 +279,25 @@ async def _serve(
     await worker.stop()
     if stop_id is not None:
         send(("reply", stop_id, None))
+
+
+def _deliver_in_loop(
+    conn: Connection,
+    loop: asyncio.AbstractEventLoop,
+    deliver: Callable[[Any], None],
+    name: str,
+) -> None:
+    """A daemon thread that hands each message read from ``conn`` to ``deliver`` on ``loop``'s
+    thread, and then None once the other end has closed (both sides read their pipe so)."""
+
+    def read() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            loop.call_soon_threadsafe(deliver, message)
+        with contextlib.suppress(RuntimeError):  # the loop may have closed already
+            loop.call_soon_threadsafe(deliver, None)
+
+    threading.Thread(target=read, name=name, daemon=True).start()
