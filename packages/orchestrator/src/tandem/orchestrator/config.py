@@ -21,7 +21,7 @@ from tandem.grpo.config import GRPOConfig
 from tandem.moe_determinism.model.config import MoEConfig
 from tandem.moe_determinism.model.model_dir import with_checkpoint_shapes
 from tandem.orchestrator.compaction_config import CompactionConfig
-from tandem.orchestrator.config_checks import ConfigValueError
+from tandem.orchestrator.config_checks import ConfigValueError, require_read_only
 from tandem.orchestrator.config_checks import require as _require
 from tandem.orchestrator.inference.engine_config import EngineConfig, VllmConfig
 from tandem.orchestrator.task_config import TaskConfig
@@ -287,7 +287,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool-call format); ``transcript_fraction``: share of each batch's sequences that are
     transcripts (the rest are packed code windows of ``window`` tokens);
     ``transcript_loss``: ``all`` tokens of a transcript or only the ``assistant`` turns.
-    ``skip_tools``: read-only calls left out of the transcripts (see `condense`).
+    ``skip_tools``: read-only calls the oracle does not play, left out of the transcripts.
     ``edit_min_chars``: the oracle's edits are narrowed to the shortest unique text around the
     change that is at least this long (see `minimal_edit`). ``detour_fraction``: share of the
     transcripts that first try a sibling task's fix, get the edit tool's error and recover
@@ -295,8 +295,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``activation_checkpointing``: as the trainer's (`TrainerConfig`), for the next-token
     loss (a real vocabulary's logits of a whole batch are the largest tensor of a step:
     8 windows of 512 tokens over 49,152 ids are 0.8 GB, and their gradient as much again).
-    ``init_seed``: the seed of the
-    fresh model's initial weights.
+    ``init_seed``: the seed of the fresh model's initial weights.
     """
 
     steps: int = 300
@@ -326,6 +325,7 @@ class MidtrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.lr > 0, "lr", "must be > 0")
         _require(self.edit_min_chars >= 1, "edit_min_chars", "must be >= 1")
         _require(0 <= self.detour_fraction <= 1, "detour_fraction", "must be in [0, 1]")
+        require_read_only(self.skip_tools, "skip_tools")
 
 
 class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

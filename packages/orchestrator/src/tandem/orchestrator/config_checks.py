@@ -12,3 +12,13 @@ def require(ok: bool, field: str, why: str) -> None:
     """Raise `ConfigValueError` naming ``field`` unless ``ok``."""
     if not ok:
         raise ConfigValueError(f"{field}: {why}")
+
+
+READ_ONLY_TOOLS = frozenset({"list_dir", "read_file", "run_tests", "search"})
+"""agent-env's tools that change nothing in the workspace: an episode without its calls to
+them gives every other observation unchanged."""
+
+
+def require_read_only(tools: list[str], field: str) -> None:
+    bad = sorted(set(tools) - READ_ONLY_TOOLS)
+    require(not bad, field, f"{bad} change the workspace; only {sorted(READ_ONLY_TOOLS)} can")
