@@ -251,3 +251,43 @@ def test_replicas_end_when_their_parent_is_killed(tmp_path: Path) -> None:
         for pid, _ in replicas & _processes().keys():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_an_evaluation_beside_training_scores_the_policy_it_was_given(tmp_path: Path) -> None:
+    """`EvalBeside` plays a copy of the policy in engine processes that run only on idle
+    cores while the caller changes the original: its result is the evaluation of the policy
+    as it was (the original, changed, would fail: its tokenizer file is broken)."""
+    import multiprocessing
+
+    import torch
+
+    from tandem.orchestrator import EvalBeside
+    from tandem.orchestrator.policy import clone_model
+
+    tasks = TaskConfig(functions=["gcd", "digit_sum"], functions_per_repo=1, eval_seed=81)
+    config = RunConfig(
+        model=TINY, tasks=tasks, env=ENV, engine=ENGINE, eval=EvalConfig(tasks=6, engines=2)
+    )
+    model = build_model(copy.copy(TINY), ByteTokenizer())
+    as_given = clone_model(model)
+    assert EvalBeside.possible(config)
+    beside = EvalBeside(model, config)
+    with torch.no_grad():  # "training" meanwhile
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    model.config.path = str(tmp_path)
+    policy: dict[int, int] = {}  # the last seen of each replica (set once it has started)
+    while beside._thread.is_alive():
+        for child in multiprocessing.active_children():
+            if child.name.startswith("tandem-eval-replica") and child.pid is not None:
+                with contextlib.suppress(OSError):
+                    policy[child.pid] = os.sched_getscheduler(child.pid)
+        time.sleep(0.05)
+    assert beside.result() == evaluate_policy(as_given, config)
+    assert len(policy) == 2 and set(policy.values()) == {os.SCHED_IDLE}
+    held_out = TaskSource(tasks, tasks.eval_seed).take(0, 6)
+    with pytest.raises(ReplicaFailed, match="Tokenizer"):  # playing the changed original
+        play_on_replicas(model, config, held_out, samples=1, replicas=2)
+    one_engine = msgspec.structs.replace(config, eval=EvalConfig(tasks=6, engines=1))
+    assert not EvalBeside.possible(one_engine)  # it would play in this process

@@ -5,7 +5,7 @@ Where things are (each folder's ``__init__`` says more):
 - ``config.py``: the run config (`RunConfig`), nesting the libraries' own configs;
 - ``protocols.py``: what the RL loop drives (`Engine`, `Rollouts`, `Trainer`,
   `WeightSink`, `Backend`) and ``wire.py``: what crosses between processes;
-- ``stages.py``: `midtrain_policy`, `evaluate_policy`, `reinforce`;
+- ``stages.py``: `midtrain_policy`, `evaluate_policy` (`EvalBeside`: beside RL), `reinforce`;
 - ``inference/``: tokenizer, chat format, tool-call prefix check, the embedded engine;
 - ``rollout/``: token-level episodes, groups, tasks and the curriculum;
 - ``training/``: the RL trainer, scoring with router replay, sharding, weight publishing;
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from tandem.orchestrator.rl.summary import RunSummary
     from tandem.orchestrator.runtime.allocator import reuse_freed_memory
     from tandem.orchestrator.stages import (
+        EvalBeside,
         check_rl_engine,
         evaluate_policy,
         midtrain_policy,
@@ -57,6 +58,7 @@ __version__ = _version("tandem-orchestrator")
 
 _HOME = {
     "ConfigValueError": "config",
+    "EvalBeside": "stages",
     "EvalResult": "eval.passk",
     "PolicyError": "policy",
     "RAY_NAMESPACE": "backends.ray.envs",
@@ -88,6 +90,7 @@ _HOME = {
 __all__ = [
     "RAY_NAMESPACE",
     "ConfigValueError",
+    "EvalBeside",
     "EvalResult",
     "PolicyError",
     "RLRun",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from tandem.agent_env import Task
 from tandem.moe_determinism import MoETransformer
 from tandem.orchestrator.artifacts.metrics import MetricsLog
 from tandem.orchestrator.backends import build_backend
@@ -30,7 +32,7 @@ from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.midtrain.corpus import code_windows
 from tandem.orchestrator.midtrain.trainer import Midtrainer, eval_loss
 from tandem.orchestrator.midtrain.transcripts import oracle_transcripts
-from tandem.orchestrator.policy import build_model, save_policy
+from tandem.orchestrator.policy import build_model, clone_model, save_policy
 from tandem.orchestrator.rl.hooks import RunHooks
 from tandem.orchestrator.rl.loop import RLRun
 from tandem.orchestrator.rl.summary import RunSummary
@@ -123,25 +125,38 @@ def midtrain_policy(
     return model, info
 
 
+def held_out_tasks(
+    model: MoETransformer, config: RunConfig, n_tasks: int | None = None
+) -> list[Task]:
+    """The first ``n_tasks`` (default ``eval.tasks``) held-out tasks (``tasks.eval_seed``),
+    their prompts checked against the engine's window."""
+    held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(
+        0, n_tasks or config.eval.tasks
+    )
+    check_prompts(
+        chat_format_for(model.config.path), held_out, config.env, config.engine.max_len,
+        config.episode.compaction,
+    )  # fmt: skip
+    return held_out
+
+
 def evaluate_policy(
     model: MoETransformer,
     config: RunConfig,
     *,
     n_tasks: int | None = None,
     samples: int | None = None,
+    held_out: list[Task] | None = None,
+    when_idle: bool = False,
 ) -> EvalResult:
     """pass@k (``eval.ks``) of ``model`` on ``eval.tasks`` held-out tasks
-    (``tasks.eval_seed``), ``eval.samples`` each, played by ``eval.engines`` embedded
-    engines (worker processes when more than one; 0: one per core), or by vLLM servers
-    (``engine.kind = "vllm"``)."""
-    n_tasks = n_tasks or config.eval.tasks
+    (``tasks.eval_seed``; or the checked ``held_out``), ``eval.samples`` each, played by
+    ``eval.engines`` embedded engines (worker processes when more than one; 0: one per
+    core), or by vLLM servers (``engine.kind = "vllm"``). ``when_idle``: the worker
+    processes run only on idle cores (`play_on_replicas`)."""
+    held_out = held_out if held_out is not None else held_out_tasks(model, config, n_tasks)
+    n_tasks = len(held_out)
     samples = samples or config.eval.samples
-    held_out = TaskSource(config.tasks, config.tasks.eval_seed).take(0, n_tasks)
-    check_prompts(
-        chat_format_for(model.config.path), held_out, config.env, config.engine.max_len,
-        config.episode.compaction,
-    )  # fmt: skip
-    replicas = config.eval.engines or os.cpu_count() or 1
     t0 = time.perf_counter()
     if config.engine.kind == "vllm":
         per_task = play_on_vllm(
@@ -158,8 +173,9 @@ def evaluate_policy(
             config,
             held_out,
             samples=samples,
-            replicas=replicas,
+            replicas=eval_replicas(config),
             on_sample=progress_log(n_tasks * samples),
+            when_idle=when_idle,
         )
     ks = tuple(k for k in config.eval.ks if k <= samples)
     result = summarize(per_task, ks, [task_category(t) for t in held_out])
@@ -172,6 +188,56 @@ def evaluate_policy(
         seconds=round(time.perf_counter() - t0, 1),
     )
     return result
+
+
+def eval_replicas(config: RunConfig) -> int:
+    """Engine processes an evaluation plays on (``eval.engines``; 0: one per core)."""
+    return config.eval.engines or os.cpu_count() or 1
+
+
+class EvalBeside:
+    """An evaluation of a copy of a policy, played by engine processes that run only on idle
+    cores while this process goes on (the demo's first evaluation, beside its RL).
+
+    RL leaves a core idle for part of its time (its trainer waits for rollouts about a
+    fifth of it); engine processes under `run_when_idle` take those moments and nothing
+    else, so most of the evaluation costs no wall time. The episodes are seeded, so the
+    result is the one the evaluation gives alone. The held-out prompts are checked before
+    it starts."""
+
+    def __init__(self, model: MoETransformer, config: RunConfig) -> None:
+        held_out = held_out_tasks(model, config)
+        copy = clone_model(model)  # the caller goes on training the original
+        self.seconds = 0.0
+        self._result: EvalResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(copy, config, held_out), name="tandem-eval-beside", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def possible(config: RunConfig) -> bool:
+        """Whether ``config``'s evaluation plays in engine processes (not in this process,
+        whose Python the other stage needs, nor on vLLM servers)."""
+        return config.engine.kind != "vllm" and eval_replicas(config) > 1
+
+    def _run(self, model: MoETransformer, config: RunConfig, held_out: list[Task]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._result = evaluate_policy(model, config, held_out=held_out, when_idle=True)
+        except BaseException as e:  # handed to the caller of `result`
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def result(self) -> EvalResult:
+        """The evaluation's result, once it is done; what it raised, raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 def check_rl_engine(config: RunConfig) -> None:

@@ -37,6 +37,7 @@ from tandem.orchestrator.inference.formats import chat_format_for
 from tandem.orchestrator.policy import clone_model
 from tandem.orchestrator.runtime.allocator import reuse_freed_memory
 from tandem.orchestrator.runtime.lifetime import end_with_parent
+from tandem.orchestrator.runtime.priority import run_when_idle
 from tandem.orchestrator.runtime.worker_logging import driver_log_level, log_from
 from tandem.orchestrator.wire import Sample
 
@@ -103,6 +104,7 @@ class _Share:
     task_ids: list[int]
     samples: int
     log_level: int
+    when_idle: bool = False
 
 
 def _replica_main(share: _Share, out: Queue[tuple[Any, ...]]) -> None:
@@ -111,6 +113,8 @@ def _replica_main(share: _Share, out: Queue[tuple[Any, ...]]) -> None:
     freed blocks mapped, as the CLI's own process does: a prefill's temporaries are mapped
     afresh otherwise, and faulting them in cost 6% of their CPU."""
     end_with_parent(share.parent)
+    if share.when_idle:
+        run_when_idle()  # before its sandboxes start: they inherit it
     torch.set_num_threads(1)
     log_from(share.log_level)()
     reuse_freed_memory()
@@ -137,11 +141,15 @@ def play_on_replicas(
     samples: int,
     replicas: int,
     on_sample: Callable[[], None] | None = None,
+    when_idle: bool = False,
 ) -> list[list[Sample]]:
     """Play ``tasks`` (the whole held-out set, ids 0..) on ``replicas`` worker processes,
     task i on replica ``i % replicas``; returns the samples task by task. A replica that
     fails stops the others and raises `ReplicaFailed` with its traceback; the replicas end
-    with this process when it is killed (`end_with_parent`)."""
+    with this process when it is killed (`end_with_parent`). ``when_idle``: the replicas
+    and their sandboxes run only on cores nothing else wants (`run_when_idle`), so an
+    evaluation beside other work takes only the CPU time that work leaves (not with one
+    replica, which plays in this process)."""
     replicas = max(1, min(replicas, len(tasks)))
     if replicas == 1:
         return play_here(
@@ -169,6 +177,7 @@ def play_on_replicas(
                     task_ids=list(range(r, len(tasks), replicas)),
                     samples=samples,
                     log_level=level,
+                    when_idle=when_idle,
                 ),
                 out,
             ),
