@@ -278,7 +278,7 @@ def test_an_evaluation_beside_training_scores_the_policy_it_was_given(tmp_path: 
     (tmp_path / "tokenizer.json").write_text("{not json")
     model.config.path = str(tmp_path)
     policy: dict[int, int] = {}  # the last seen of each replica (set once it has started)
-    while beside._thread.is_alive():
+    while beside.running():
         for child in multiprocessing.active_children():
             if child.name.startswith("tandem-eval-replica") and child.pid is not None:
                 with contextlib.suppress(OSError):

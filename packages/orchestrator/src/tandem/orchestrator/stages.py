@@ -231,6 +231,9 @@ class EvalBeside:
         finally:
             self.seconds = time.perf_counter() - t0
 
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def result(self) -> EvalResult:
         """The evaluation's result, once it is done; what it raised, raised here."""
         self._thread.join()
