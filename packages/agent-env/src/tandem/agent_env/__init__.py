@@ -20,7 +20,7 @@ from tandem.agent_env.tasks.generate import check_task_family, generate_tasks
 from tandem.agent_env.tasks.multibug import check_multibug_family, generate_multibug_tasks
 from tandem.agent_env.tasks.stdlib import stdlib_tasks
 from tandem.agent_env.tasks.swebench import load_tasks
-from tandem.agent_env.tools import ToolCall, tool_schemas
+from tandem.agent_env.tools import READ_ONLY_TOOLS, ToolCall, tool_schemas
 from tandem.agent_env.trajectory import (
     Observation,
     StepRecord,
@@ -34,6 +34,7 @@ from tandem.agent_env.trajectory import (
 __version__ = _version("tandem-agent-env")
 
 __all__ = [
+    "READ_ONLY_TOOLS",
     "TEXT_ANSWER_OBSERVATION",
     "Env",
     "EnvConfig",

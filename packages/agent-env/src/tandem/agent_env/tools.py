@@ -107,6 +107,9 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
 
 _BY_NAME = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
 TOOL_NAMES = tuple(_BY_NAME)
+READ_ONLY_TOOLS = frozenset({"read_file", "search", "list_dir", "run_tests"})
+"""The tools that change nothing in the workspace (the tests run without writing bytecode):
+an episode without its calls to them gives every other observation unchanged."""
 
 
 def tool_schemas() -> list[dict[str, Any]]:

@@ -3,6 +3,8 @@ sections, wherever their Structs live)."""
 
 from __future__ import annotations
 
+from tandem.agent_env.tools import READ_ONLY_TOOLS
+
 
 class ConfigValueError(ValueError):
     """A config value is out of range; the message names the field and the allowed values."""
@@ -14,11 +16,7 @@ def require(ok: bool, field: str, why: str) -> None:
         raise ConfigValueError(f"{field}: {why}")
 
 
-READ_ONLY_TOOLS = frozenset({"list_dir", "read_file", "run_tests", "search"})
-"""agent-env's tools that change nothing in the workspace: an episode without its calls to
-them gives every other observation unchanged."""
-
-
 def require_read_only(tools: list[str], field: str) -> None:
+    """Raise `ConfigValueError` naming ``field`` if ``tools`` names one that is not read-only."""
     bad = sorted(set(tools) - READ_ONLY_TOOLS)
     require(not bad, field, f"{bad} change the workspace; only {sorted(READ_ONLY_TOOLS)} can")

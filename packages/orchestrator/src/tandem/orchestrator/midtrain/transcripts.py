@@ -281,7 +281,7 @@ def oracle_transcripts(
     kept = [t for t in trajectories if t.resolved]
     if len(kept) < len(trajectories):
         log.warning("midtrain.oracle_failures", failed=len(trajectories) - len(kept))
-    condensed = [condense(t.messages, skip_tools) for t in kept]
+    condensed = [t.messages for t in kept]  # the oracle did not play the skipped calls
     if max_turns is not None:
         condensed = [m for m in (fit_turns(c, max_turns) for c in condensed) if m is not None]
         if len(condensed) < len(kept):
