@@ -16,6 +16,7 @@ def naive_advantages(
     std_normalize: bool,
     leave_one_out: bool,
     eps: float = 1e-6,
+    mean_normalize: bool = False,
 ) -> list[float]:
     out = []
     for i, r in enumerate(rewards):
@@ -30,6 +31,8 @@ def naive_advantages(
             a = r - sum(members) / len(members)
         if std_normalize:  # GRPO: divide by the group's standard deviation
             a = a / (statistics.stdev(members) + eps)
+        if mean_normalize:  # log(pass rate): divide by the group's mean, at least 1/G
+            a = a / max(sum(members) / len(members), 1 / len(members))
         out.append(a)
     return out
 
@@ -123,3 +126,43 @@ def test_failed_group_advantage_is_a_nonpositive_number() -> None:
         GRPOConfig(failed_group_advantage=0.1)
     with pytest.raises(GRPOError, match="failed_group_advantage"):
         GRPOConfig(failed_group_advantage=float("-inf"))
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_mean_normalize_matches_naive(leave_one_out: bool) -> None:
+    gen = torch.Generator().manual_seed(4)
+    groups = torch.randint(0, 7, (48,), generator=gen)
+    rewards = torch.randint(0, 2, (48,), generator=gen).double() * torch.rand(48, generator=gen)
+    rewards[:5] = torch.tensor([0.01, 0.0, 0.02, 0.0, 0.0], dtype=torch.float64)
+    groups[:5] = 9  # a group whose mean (0.006) is under its floor, 1/5
+    got = group_advantages(
+        rewards, group_ids=groups, leave_one_out=leave_one_out, mean_normalize=True
+    )
+    want = naive_advantages(
+        rewards.tolist(), groups.tolist(), False, leave_one_out, mean_normalize=True
+    )
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_mean_normalize_pushes_in_proportion_to_one_over_the_pass_rate() -> None:
+    """Pass/fail groups of 8: every failure gets -1, as in the gradient of log(pass rate)
+    (the pass rate's gradient over the pass rate), so the one success of a prompt solved
+    1 time in 8 is pushed (7/8) / (1/8) = 7 times as hard as the seven successes of a prompt
+    solved 7 times in 8 together; Dr. GRPO pushes both alike (the mean pass rate's gradient)."""
+    rewards = torch.tensor([1.0] + [0.0] * 7 + [1.0] * 7 + [0.0] + [0.0] * 8)
+    adv = group_advantages(rewards, group_size=8, mean_normalize=True)
+    torch.testing.assert_close(adv[:8], torch.tensor([7.0] + [-1.0] * 7))
+    torch.testing.assert_close(adv[8:16], torch.tensor([1 / 7] * 7 + [-1.0]))
+    assert torch.equal(adv[16:], torch.zeros(8))  # all failed: no signal, as in every mode
+    assert (adv[0] / adv[8:15].sum()).item() == pytest.approx(7.0)
+    plain = group_advantages(rewards, group_size=8)
+    assert (plain[0] / plain[8:15].sum()).item() == pytest.approx(1.0)
+
+
+def test_mean_normalize_is_not_combined_with_std() -> None:
+    from tandem.grpo import GRPOConfig
+
+    with pytest.raises(GRPOError, match="mean_normalize"):
+        GRPOConfig(std_normalize=True, mean_normalize=True)
+    with pytest.raises(GRPOError, match="pick one"):
+        group_advantages(torch.ones(4), group_size=2, std_normalize=True, mean_normalize=True)

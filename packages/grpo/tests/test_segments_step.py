@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tandem.grpo import RolloutBatch, shard_by_group
+from tandem.grpo import GRPOConfig, RolloutBatch, shard_by_group
 from tandem.grpo.advantages import batch_advantages
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
@@ -82,6 +82,26 @@ def test_episode_kl_penalty_is_the_sum_over_segments(chains: ModuleType) -> None
     batch = chains.episodes_batch()
     segments = chains.split_batch(batch)
     whole = batch_advantages(batch, cfg)
+    ids = segments.episode_ids
+    assert ids is not None
+    torch.testing.assert_close(
+        batch_advantages(segments, cfg), whole[chains.episode_of(ids)], rtol=1e-9, atol=1e-12
+    )
+
+
+def test_mean_normalized_segments_carry_their_episodes_advantage(chains: ModuleType) -> None:
+    """Mean normalisation divides by the group's mean over episodes, not segments: each
+    episode's value against a per-group loop over the episodes' rewards."""
+    cfg = GRPOConfig(mean_normalize=True)
+    batch = chains.episodes_batch()
+    whole = batch_advantages(batch, cfg)
+    rewards, groups = batch.rewards.tolist(), batch.group_ids.tolist()
+    for i, r in enumerate(rewards):
+        members = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i]]
+        mean = sum(members) / len(members)
+        assert whole[i].item() == pytest.approx((r - mean) / max(mean, 1 / len(members)))
+    assert whole.abs().max() > batch_advantages(batch, GRPOConfig()).abs().max()
+    segments = chains.split_batch(batch)
     ids = segments.episode_ids
     assert ids is not None
     torch.testing.assert_close(

@@ -1,9 +1,15 @@
-"""Group-relative advantages: Dr. GRPO (default), GRPO (std-normalised) and RLOO.
+"""Group-relative advantages: Dr. GRPO (default), GRPO (std-normalised), RLOO, and
+mean-normalised (pass-rate) advantages.
 
 Every sample of a prompt's group is scored against the group itself, so no value model is
 needed. Dr. GRPO (Liu et al., 2025) keeps only the mean baseline: the std division of the
 original GRPO up-weights groups whose rewards barely vary. RLOO (Ahmadian et al., 2024) uses
-the mean of the *other* samples, an unbiased baseline.
+the mean of the *other* samples, an unbiased baseline. Mean normalisation divides the centred
+reward by the group's mean reward: for pass/fail rewards that is the policy gradient of the
+sum over prompts of log(pass rate) instead of the mean pass rate: each prompt is pushed in
+proportion to one over its pass rate (a success in a group that solves 1 of 8 gets 7, every
+failure -1), and the objective falls without bound as any prompt's pass rate goes to 0, so it
+does not reward giving up a kind of task the policy rarely solves for one it solves often.
 
 Documented edge cases: a group whose rewards are all equal gets advantage 0 in every mode
 (the std division sees 0/(0+eps)), except that `batch_advantages` gives a group whose rewards
@@ -90,17 +96,22 @@ def group_advantages(
     leave_one_out: bool = False,
     eps: float = 1e-6,
     episode_ids: torch.Tensor | None = None,
+    mean_normalize: bool = False,
 ) -> torch.Tensor:
     """Per-sample advantages [N] (float32, or float64 for float64 rewards) from rewards [N] grouped by prompt.
 
     - default (Dr. GRPO): ``r_i - mean(group)``
     - ``leave_one_out`` (RLOO): ``r_i - mean(group without i)`` = ``G/(G-1) (r_i - mean)``
     - ``std_normalize`` (GRPO): the above divided by ``std(group) + eps`` (unbiased std)
+    - ``mean_normalize``: the above divided by ``max(mean(group), 1/G)`` (``G`` the group's
+      size; the floor bounds the scale at ``G`` for a group whose mean is at or below 1/G)
 
     ``episode_ids`` [N] (with ``group_ids``): rows sharing an id are segments of one episode
     and must share its reward and group; the group statistics count episodes, not rows, and
     each segment gets its episode's advantage.
     """
+    if std_normalize and mean_normalize:
+        raise GRPOError("std_normalize and mean_normalize both rescale the advantages: pick one")
     if episode_ids is not None:
         episodes, ep_rewards, ep_groups = _episode_view(rewards, group_size, group_ids, episode_ids)
         adv = group_advantages(
@@ -109,6 +120,7 @@ def group_advantages(
             std_normalize=std_normalize,
             leave_one_out=leave_one_out,
             eps=eps,
+            mean_normalize=mean_normalize,
         )
         return episodes.spread(adv)
     if rewards.dim() != 1:
@@ -132,6 +144,8 @@ def group_advantages(
             min=1
         )
         centred = centred / (var.sqrt()[index] + eps)
+    if mean_normalize:
+        centred = centred / torch.maximum(mean, 1 / counts)[index]
     return torch.where(singleton, torch.zeros_like(centred), centred)
 
 
@@ -228,6 +242,7 @@ def batch_advantages(batch: RolloutBatch, cfg: GRPOConfig) -> torch.Tensor:
             leave_one_out=cfg.leave_one_out,
             eps=cfg.std_eps,
             episode_ids=batch.episode_ids,
+            mean_normalize=cfg.mean_normalize,
         )
         if cfg.failed_group_advantage:
             failed = failed_groups(

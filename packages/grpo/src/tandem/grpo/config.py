@@ -36,6 +36,11 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             original GRPO does. Off by default (Dr. GRPO): the std division up-weights
             groups that are nearly solved or nearly hopeless.
         leave_one_out: RLOO baseline, the mean of the *other* samples of the group.
+        mean_normalize: divide group-centred rewards by the group's mean reward (at least
+            1 / group size): for pass/fail rewards, the gradient of the sum over prompts of
+            log(pass rate). Every prompt with a success weighs alike, however rarely it is
+            solved, so the policy does not gain by trading a task kind it rarely solves for
+            one it often solves. Not with std_normalize.
         std_eps: added to the std before dividing.
         skip_equal_reward_groups: DAPO dynamic sampling. A group whose raw rewards are all
             equal has zero advantage everywhere; skipping it saves its forward/backward and
@@ -99,6 +104,7 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
     std_normalize: bool = False
     leave_one_out: bool = False
+    mean_normalize: bool = False
     std_eps: float = 1e-6
     skip_equal_reward_groups: bool = True
     failed_group_advantage: float = 0.0
@@ -135,6 +141,8 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise bad(name, "must be a finite number >= 0")
+        if self.std_normalize and self.mean_normalize:
+            raise bad("mean_normalize", "std_normalize rescales the advantages too: pick one")
         if not (math.isfinite(self.failed_group_advantage) and self.failed_group_advantage <= 0):
             raise bad("failed_group_advantage", "must be a finite number <= 0 (0: off)")
         if self.clip_eps_low >= 1:
