@@ -38,9 +38,9 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         leave_one_out: RLOO baseline, the mean of the *other* samples of the group.
         mean_normalize: divide group-centred rewards by the group's mean reward (at least
             1 / group size): for pass/fail rewards, the gradient of the sum over prompts of
-            log(pass rate). Every prompt with a success weighs alike, however rarely it is
-            solved, so the policy does not gain by trading a task kind it rarely solves for
-            one it often solves. Not with std_normalize.
+            log(pass rate). Each prompt is pushed in proportion to one over its pass rate,
+            so the objective does not reward trading a task kind the policy rarely solves
+            for one it often solves. Not with std_normalize.
         std_eps: added to the std before dividing.
         skip_equal_reward_groups: DAPO dynamic sampling. A group whose raw rewards are all
             equal has zero advantage everywhere; skipping it saves its forward/backward and
