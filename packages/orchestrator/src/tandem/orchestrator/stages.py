@@ -232,6 +232,7 @@ class EvalBeside:
             self.seconds = time.perf_counter() - t0
 
     def running(self) -> bool:
+        """Whether the evaluation is still playing (`result` would wait)."""
         return self._thread.is_alive()
 
     def result(self) -> EvalResult:

@@ -281,24 +281,24 @@ def oracle_transcripts(
     kept = [t for t in trajectories if t.resolved]
     if len(kept) < len(trajectories):
         log.warning("midtrain.oracle_failures", failed=len(trajectories) - len(kept))
-    condensed = [t.messages for t in kept]  # the oracle did not play the skipped calls
+    played = [t.messages for t in kept]  # the oracle did not play the skipped calls
     if max_turns is not None:
-        condensed = [m for m in (fit_turns(c, max_turns) for c in condensed) if m is not None]
-        if len(condensed) < len(kept):
-            log.warning("midtrain.transcripts_over_turn_budget", dropped=len(kept) - len(condensed))
+        played = [m for m in (fit_turns(c, max_turns) for c in played) if m is not None]
+        if len(played) < len(kept):
+            log.warning("midtrain.transcripts_over_turn_budget", dropped=len(kept) - len(played))
     if summarise:
         assert compaction is not None
         cut = [
             compacted_transcript(
                 chat, transcript_messages(m, max_observation_chars), compaction, max_len
             )
-            for m in condensed
+            for m in played
         ]
         if any(c is None for c in cut):
             log.warning("midtrain.transcripts_not_compactable", dropped=sum(c is None for c in cut))
         items = [item for c in cut if c is not None for item in c]
     else:
-        items = [render_transcript(chat, m, max_observation_chars) for m in condensed]
+        items = [render_transcript(chat, m, max_observation_chars) for m in played]
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(msgspec.json.encode({"key": key.decode(), "items": items}))
