@@ -4,6 +4,8 @@ zero-padded, the K-tile partials added in order."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +15,9 @@ from tandem.moe_determinism.ops import gemm, tiles
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[M, K] @ [K, N] tile by tile, on the calling thread with one torch thread."""
-    r, kt = tiles.ROW_TILE, tiles.K_TILE
+    """[M, K] @ [K, N] tile by tile, on the calling thread with one torch thread: 16-row
+    tiles, the column and K pieces of `tiles.cuts` (checked in `test_cuts_...`)."""
+    r = tiles.ROW_TILE
     m, k = a.shape
     rows = []
     before = torch.get_num_threads()
@@ -23,19 +26,33 @@ def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         for lo in range(0, m, r):
             block = F.pad(a[lo : lo + r], (0, 0, 0, r - a[lo : lo + r].shape[0])).contiguous()
             cols = []
-            for c0 in range(0, b.shape[1], tiles.COL_TILE):
+            for c0, c1 in tiles.cuts(b.shape[1], tiles.COL_TILE, a.dtype):
                 acc = None
-                for k0 in range(0, k, kt):
-                    part = torch.mm(
-                        block[:, k0 : k0 + kt], b[k0 : k0 + kt, c0 : c0 + tiles.COL_TILE]
-                    )
-                    first = part if k0 + kt >= k else part.float()
+                for k0, k1 in tiles.cuts(k, tiles.K_TILE, a.dtype):
+                    part = torch.mm(block[:, k0:k1], b[k0:k1, c0:c1])
+                    first = part if k1 >= k else part.float()
                     acc = first if acc is None else acc + part
                 cols.append(acc.to(a.dtype))
             rows.append(torch.cat(cols, 1))
     finally:
         torch.set_num_threads(before)
     return torch.cat(rows)[:m] if rows else a.new_zeros(0, b.shape[1])
+
+
+def test_cuts_are_the_fewest_even_aligned_pieces() -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert tiles.cuts(576, 512, f32) == [(0, 288), (288, 576)]
+    assert tiles.cuts(1536, 512, f32) == [(0, 512), (512, 1024), (1024, 1536)]
+    assert tiles.cuts(520, 512, f32) == [(0, 272), (272, 520)]  # 260 up to 16 floats
+    assert tiles.cuts(520, 512, bf16) == [(0, 288), (288, 520)]  # 260 up to 32 halves
+    assert tiles.cuts(100, 512, f32) == [(0, 100)]
+    assert tiles.cuts(0, 512, f32) == []
+    for count in range(1, 2000, 7):
+        pieces = tiles.cuts(count, 512, f32)
+        assert pieces[0][0] == 0 and pieces[-1][1] == count
+        assert all(p[1] == q[0] for p, q in itertools.pairwise(pieces))
+        assert all(0 < hi - lo <= 512 and lo % 16 == 0 for lo, hi in pieces)
+        assert len(pieces) == -(-count // 512)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -45,8 +62,15 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mm_blocks_equal_the_tile_computation(threads: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(threads)
-    # one tile, a K tail (K > K_TILE), a column tail (N > COL_TILE), no rows
-    for m, k, n in [(1, 64, 96), (37, 1100, 200), (20, 128, 515), (0, 8, 8)]:
+    # one tile, K pieces (K > K_TILE), column pieces (N > COL_TILE), no rows, long tiles
+    long = gemm.LONG_ROW_TILE
+    for m, k, n in [
+        (1, 64, 96),
+        (37, 2100, 200),
+        (20, 128, 515),
+        (0, 8, 8),
+        (2 * long + 37, 96, 40),
+    ]:
         a = torch.randn(m, k, generator=gen).to(dtype)
         w = torch.randn(n, k, generator=gen).to(dtype)
         # A transposed weight (what F.linear passes) and a transposed activation.
@@ -162,3 +186,81 @@ def test_indexed_products_have_the_bits_of_the_gathered_batch(
     b = blocks.double().transpose(1, 2) if transposed else blocks.double()
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double(), a.double() @ b, rtol=tol, atol=tol * 8)
+
+
+# -- long row tiles (`gemm.LONG_ROW_TILE`): taken only where the BLAS gives a row the bits of
+# 16-row tiles, and then with those bits, so an engine decoding 16 rows at a time and a
+# trainer scoring thousands agree.
+
+
+def _tile_lengths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row-tile lengths `mm_blocks` asks for, as it asks."""
+    seen: list[int] = []
+    real = tiles.row_tiles
+
+    def spy(a: torch.Tensor, rows: int = tiles.ROW_TILE) -> torch.Tensor:
+        seen.append(rows)
+        return real(a, rows)
+
+    monkeypatch.setattr(tiles, "row_tiles", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_tiles_have_the_bits_of_short_ones(
+    threads: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(threads)
+    long = gemm.LONG_ROW_TILE
+    for m, k, n in [(long, 96, 96), (2 * long + 37, 576, 600), (long + 16, 2100, 40)]:
+        a = torch.randn(m, k, generator=gen).to(dtype)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        seen = _tile_lengths(monkeypatch)
+        ours = gemm.mm_blocks(a, w.t())
+        assert torch.equal(_bits(ours), _bits(_reference(a, w.t())))
+        assert (long in seen) == gemm.long_tiles_agree(w.t(), k)
+
+
+def test_fewer_rows_than_a_long_tile_take_short_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, w = torch.randn(gemm.LONG_ROW_TILE - 1, 64), torch.randn(32, 64)
+    seen = _tile_lengths(monkeypatch)
+    gemm.mm_blocks(a, w.t())
+    assert seen == [tiles.ROW_TILE]
+
+
+def test_a_blas_whose_long_tiles_differ_keeps_short_ones(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A BLAS whose long products round otherwise (here: every long tile's result nudged by
+    one ulp) is caught by the check, and every product keeps 16-row tiles and their bits."""
+    long = gemm.LONG_ROW_TILE
+    real_mm = torch.mm
+
+    def nudged(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None):
+        result = real_mm(a, b, out=out)
+        if a.shape[0] == long:
+            result.copy_(torch.nextafter(result, torch.full_like(result, float("inf"))))
+        return result
+
+    monkeypatch.setattr(torch, "mm", nudged)
+    monkeypatch.setattr(gemm, "_agreement", {})
+    gen = torch.Generator().manual_seed(threads)
+    a, w = torch.randn(long + 40, 96, generator=gen), torch.randn(64, 96, generator=gen)
+    assert not gemm.long_tiles_agree(w.t(), 96)
+    seen = _tile_lengths(monkeypatch)
+    assert torch.equal(gemm.mm_blocks(a, w.t()), _reference(a, w.t()))
+    assert seen == [tiles.ROW_TILE]
+
+
+def test_the_check_is_per_layout_and_skips_broadcast_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gemm, "_agreement", {})
+    w = torch.randn(64, 96)
+    gemm.long_tiles_agree(w.t(), 96)  # F.linear's transposed weight
+    gemm.long_tiles_agree(w.t().contiguous(), 96)  # a row-major one
+    gemm.long_tiles_agree(torch.randn(64, 96)[:, 1:65], 64)  # a slice off the 64-byte grid
+    assert len(gemm._agreement) == 3
+    row = torch.randn(96, 1)
+    assert not gemm.long_tiles_agree(row.expand(96, 40), 96)  # a zero stride: not tried
+    assert len(gemm._agreement) == 3

@@ -162,22 +162,78 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The CPU kernel of `mm` (no autograd graph): row tiles against the weight broadcast
-    along the tiles (a stride-0 view, never copied)."""
+    along the tiles (a stride-0 view, never copied). Products of at least `LONG_ROW_TILE`
+    rows take tiles of that many where `long_tiles_agree` (a row's bits are those of
+    `tiles.ROW_TILE`-row tiles), the last rows `tiles.ROW_TILE` at a time."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0:
         return a.new_empty(0, n)
-    padded = tiles.row_tiles(a)  # [tiles, R, K]
-    out = torch.empty(padded.shape[0], padded.shape[1], n, dtype=a.dtype, device=a.device)
-    work = padded.numel() * n
-    if tiles.one_tile(k, n, a.element_size()) and (
-        workers.tile_threads() == 1 or work < workers.SHARED_WORK
-    ):
-        jobs = [tiles.shared_weight_job(padded, b, out)]
-    else:
-        jobs = tiles.tile_jobs(padded, b.expand(padded.shape[0], k, n), out)
+    long = LONG_ROW_TILE if 0 < LONG_ROW_TILE <= m and long_tiles_agree(b, k) else 0
+    return _mm_in_tiles(a, b, long)
+
+
+LONG_ROW_TILE = 256
+"""Rows per tile of long products (a prefill, a trainer's forward), 0 for none. A BLAS
+runs a 16-row product at 40-70% of its large-product speed and a 256-row one at 70-90%
+(fp32, one thread, K and N of 96 to 1,536). Tiles of both lengths must give a row the same
+bits, or the engine (decoding 16 rows at a time) and the trainer would disagree: each
+weight layout is checked once per process (`long_tiles_agree`), and where the bits differ
+every product keeps `tiles.ROW_TILE`."""
+
+_agreement: dict[tuple, bool] = {}  # a property of this machine's BLAS per weight layout
+
+
+def long_tiles_agree(b: torch.Tensor, k: int) -> bool:
+    """Whether rows multiplied by ``b`` [K, N] in `LONG_ROW_TILE`-row tiles get the bits of
+    `tiles.ROW_TILE`-row tiles, tried once on random values laid out as ``b`` (shape,
+    strides and address modulo `tiles.ALIGN_BYTES`: what chooses the BLAS's kernel).
+
+    A single-threaded product of one shape and layout runs one instruction sequence, so
+    equal bits on random rows (576 random terms summed in another order differ somewhere in
+    256 x N results) mean the same order for every input. Layouts with a zero or negative
+    stride are not tried (short tiles)."""
+    if any(s <= 0 for s, size in zip(b.stride(), b.shape, strict=True) if size > 1):
+        return False
+    per = b.element_size()
+    offset = b.data_ptr() % tiles.ALIGN_BYTES // per
+    key = (tuple(b.shape), b.stride(), offset, b.dtype, LONG_ROW_TILE)
+    if key not in _agreement:
+        gen = torch.Generator().manual_seed(0)
+        span = 1 + sum((size - 1) * s for size, s in zip(b.shape, b.stride(), strict=True))
+        flat = torch.randn(offset + span, generator=gen).to(b.dtype)  # 64-byte aligned base
+        like = flat.as_strided(b.shape, b.stride(), offset)
+        a = torch.randn(LONG_ROW_TILE, k, generator=gen).to(b.dtype)
+        long = _mm_in_tiles(a, like, LONG_ROW_TILE)
+        short = _mm_in_tiles(a, like, 0)
+        _agreement[key] = torch.equal(long, short)
+    return _agreement[key]
+
+
+def _mm_in_tiles(a: torch.Tensor, b: torch.Tensor, long: int) -> torch.Tensor:
+    """a @ b by `tiles`: the first rows in tiles of ``long`` (0: none), the rest in
+    `tiles.ROW_TILE`-row tiles, all the tiles' jobs shared by the threads at once."""
+    m, k = a.shape
+    n = b.shape[1]
+    head = m // long * long if long else 0
+    rest = -(-(m - head) // tiles.ROW_TILE) * tiles.ROW_TILE
+    out = torch.empty(head + rest, n, dtype=a.dtype, device=a.device)
+    parts = []
+    if head:
+        parts.append((tiles.row_tiles(a[:head], long), out[:head].view(head // long, long, n)))
+    if rest:
+        parts.append((tiles.row_tiles(a[head:]), out[head:].view(-1, tiles.ROW_TILE, n)))
+    work = (head + rest) * k * n
+    jobs = []
+    for padded, dst in parts:
+        if tiles.one_tile(k, n, a.element_size()) and (
+            workers.tile_threads() == 1 or work < workers.SHARED_WORK
+        ):
+            jobs.append(tiles.shared_weight_job(padded, b, dst))
+        else:
+            jobs += tiles.tile_jobs(padded, b.expand(padded.shape[0], k, n), dst)
     workers.run_parallel(jobs, work)
-    return out.view(out.shape[0] * out.shape[1], n)[:m]
+    return out[:m]
 
 
 def addmm(

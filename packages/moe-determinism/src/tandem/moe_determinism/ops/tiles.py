@@ -5,8 +5,10 @@ and in which order it adds each output element's terms: MKL gives row i of `A[:m
 other bits than row i of `A @ B` for small m, and with 2 threads it may split the reduced
 dimension between them. So no product here is ever handed to the BLAS as it comes:
 
-1. Rows are cut into tiles of exactly `ROW_TILE` rows (the last one zero-padded), columns
-   into tiles of `COL_TILE` and the reduced dimension K into tiles of `K_TILE`; every cut
+1. Rows are cut into tiles of exactly `ROW_TILE` rows (the last one zero-padded; long
+   products also into longer tiles where the BLAS gives a row the same bits:
+   `gemm.LONG_ROW_TILE`), columns into even pieces of at most `COL_TILE` and the reduced
+   dimension K into even pieces of at most `K_TILE` (`cuts`); every column and K cut
    depends on K and N (properties of the weight) and never on M or the thread count.
 2. Each (row tile, column tile, K tile) partial product is one call of one fixed shape and
    layout, run by a thread whose OpenMP and BLAS thread count is 1. A single-threaded call
@@ -42,14 +44,17 @@ from tandem.moe_determinism.ops import workers
 
 ROW_TILE = 16
 """Rows per tile. Small enough that a padded decode batch wastes little (small-M products
-are bound by reading the weight), large enough that training-size products run near BLAS
-speed."""
+are bound by reading the weight); long products also take tiles of `gemm.LONG_ROW_TILE`."""
 
 COL_TILE = 512
-"""Output columns per tile: what lets a decode step (one row tile) use several threads."""
+"""Most output columns per tile (`cuts`: 576 are two of 288): what lets a decode step (one
+row tile) use several threads."""
 
-K_TILE = 512
-"""Terms per partial product. Partials are added in tile order; K <= K_TILE is one tile."""
+K_TILE = 2048
+"""Most terms per partial product (`cuts`); partials are added in tile order, K <= K_TILE is
+one tile. A BLAS sums a long K at its own speed; each extra piece costs a call, an add and
+a rounding: with 512, SmolLM2-135M's 576 terms were a 512 and a 64 product and its layers'
+products took 1.17x as long on one thread, a 32-row decode step's 1.6x."""
 
 
 BATCH = 16
@@ -61,6 +66,20 @@ def _split(count: int, parts: int, step_multiple: int = 1) -> list[tuple[int, in
     step = max(1, math.ceil(count / max(parts, 1)))
     step = -(-step // step_multiple) * step_multiple
     return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
+
+
+def cuts(count: int, most: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """[0, count) in the fewest pieces of at most ``most``, all as wide as the first but
+    the last, that width a whole number of `ALIGN_BYTES` of ``dtype`` (so every piece of an
+    aligned row starts aligned): 576 columns are 288 + 288, not 512 + 64, whose narrow
+    product costs almost as much as the wide one. A function of ``count`` alone."""
+    if count <= 0:
+        return []
+    pieces = -(-count // most)
+    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    even = -(-count // pieces)
+    width = -(-even // per) * per
+    return [(lo, min(lo + width, count)) for lo in range(0, count, width)]
 
 
 def _row_width(cols: int, dtype: torch.dtype) -> int:
@@ -138,8 +157,7 @@ def _tile_job(
         wide = torch.promote_types(a.dtype, torch.float32)
         direct = wide == a.dtype and _aligned(dst)
         acc: torch.Tensor | None = None
-        for k0 in range(0, k, K_TILE):
-            k1 = min(k0 + K_TILE, k)
+        for k0, k1 in cuts(k, K_TILE, a.dtype):
             if acc is None and direct:
                 part = dst
             else:
@@ -186,7 +204,7 @@ def tile_jobs(
     if batched:
         b = aligned_items(b)
     items, n = a.shape[0], b.shape[2]
-    col_tiles = [(c, min(c + COL_TILE, n)) for c in range(0, n, COL_TILE)]
+    col_tiles = cuts(n, COL_TILE, a.dtype)
     threads = workers.tile_threads()
     parts = 1 if threads == 1 else max(1, math.ceil(2 * threads / max(1, len(col_tiles))))
     products = _batched if batched else _one_by_one
@@ -269,14 +287,14 @@ def pad_rows(a: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
     return padded.view(*a.shape[:-2], tiles, rows, width)[..., :k]
 
 
-def row_tiles(a: torch.Tensor) -> torch.Tensor:
-    """[..., M, K] -> [..., tiles, ROW_TILE, K]: a view of `a` itself when its rows are
+def row_tiles(a: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
+    """[..., M, K] -> [..., tiles, rows, K]: a view of `a` itself when its rows are
     aligned and fill whole tiles (a decode batch of 16, experts' rows allocated in whole
     tiles), else `pad_rows`' fresh copy."""
     m = a.shape[-2]
-    if m % ROW_TILE == 0 and _aligned(a):
-        return a.unflatten(-2, (m // ROW_TILE, ROW_TILE))
-    return pad_rows(a)
+    if m % rows == 0 and _aligned(a):
+        return a.unflatten(-2, (m // rows, rows))
+    return pad_rows(a, rows)
 
 
 def aligned_zeros(
