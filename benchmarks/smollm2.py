@@ -175,7 +175,8 @@ def engine_stage(model_dir: Path, args: argparse.Namespace) -> Figures:
 
 def trainer_groups(model: Any, model_dir: Path, args: argparse.Namespace) -> list[list[Any]]:
     """2 GRPO groups of ``args.group_size``: a task prompt each, random responses to
-    ``train_len`` tokens, log-probs and routes from one no-grad pass (as the engine records)."""
+    ``train_len`` tokens (or, with ``args.tail``, that many after a prompt with the tool
+    list), log-probs and routes from one no-grad pass (as the engine records)."""
     import numpy as np
     import torch
 
@@ -187,8 +188,9 @@ def trainer_groups(model: Any, model_dir: Path, args: argparse.Namespace) -> lis
     mc = model.config
     gen = torch.Generator().manual_seed(0)
     groups = []
-    for g, prompt in enumerate(task_prompts(model_dir, 0, 2, tools=False)):
-        n = max(1, args.train_len - len(prompt))
+    tail = getattr(args, "tail", 0)
+    for g, prompt in enumerate(task_prompts(model_dir, 0, 2, tools=bool(tail))):
+        n = tail or max(1, args.train_len - len(prompt))
         group = []
         for i in range(args.group_size):
             tokens = prompt + torch.randint(0, VOCAB, (n,), generator=gen).tolist()
