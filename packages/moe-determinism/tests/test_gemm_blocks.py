@@ -218,7 +218,7 @@ def test_long_tiles_have_the_bits_of_short_ones(
         seen = _tile_lengths(monkeypatch)
         ours = gemm.mm_blocks(a, w.t())
         assert torch.equal(_bits(ours), _bits(_reference(a, w.t())))
-        assert (long in seen) == gemm.long_tiles_agree(w.t(), k)
+        assert (long in seen) == gemm.long_tiles_agree(w.t())
 
 
 def test_fewer_rows_than_a_long_tile_take_short_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,7 +246,7 @@ def test_a_blas_whose_long_tiles_differ_keeps_short_ones(
     monkeypatch.setattr(gemm, "_agreement", {})
     gen = torch.Generator().manual_seed(threads)
     a, w = torch.randn(long + 40, 96, generator=gen), torch.randn(64, 96, generator=gen)
-    assert not gemm.long_tiles_agree(w.t(), 96)
+    assert not gemm.long_tiles_agree(w.t())
     seen = _tile_lengths(monkeypatch)
     assert torch.equal(gemm.mm_blocks(a, w.t()), _reference(a, w.t()))
     assert seen == [tiles.ROW_TILE]
@@ -257,10 +257,10 @@ def test_the_check_is_per_layout_and_skips_broadcast_weights(
 ) -> None:
     monkeypatch.setattr(gemm, "_agreement", {})
     w = torch.randn(64, 96)
-    gemm.long_tiles_agree(w.t(), 96)  # F.linear's transposed weight
-    gemm.long_tiles_agree(w.t().contiguous(), 96)  # a row-major one
-    gemm.long_tiles_agree(torch.randn(64, 96)[:, 1:65], 64)  # a slice off the 64-byte grid
+    gemm.long_tiles_agree(w.t())  # F.linear's transposed weight
+    gemm.long_tiles_agree(w.t().contiguous())  # a row-major one
+    gemm.long_tiles_agree(torch.randn(64, 96)[:, 1:65])  # a slice off the 64-byte grid
     assert len(gemm._agreement) == 3
     row = torch.randn(96, 1)
-    assert not gemm.long_tiles_agree(row.expand(96, 40), 96)  # a zero stride: not tried
+    assert not gemm.long_tiles_agree(row.expand(96, 40))  # a zero stride: not tried
     assert len(gemm._agreement) == 3
