@@ -13,9 +13,10 @@ Settings shared by both sides: Dr. GRPO (no std normalisation, loss summed over 
 a constant), no KL term, temperature 1, AdamW at ``--lr``, ``--steps`` steps of ``--groups``
 prompts x ``--group-size`` samples, ``--new-tokens`` tokens per reply at most, float32 on the
 CPU, ``--threads`` torch threads in all. What differs is each stack's own design: tandem runs
-its pipeline as configured for RL (asynchronous: the engine decodes the next groups while the
-trainer steps, staleness at most 2 with importance correction; a group's shared prompt fed
-once to the trainer); TRL generates with transformers' ``generate``, then trains, in turn.
+its pipeline as configured for RL (asynchronous: the engine, in a child process with
+``--backend process`` as in the demo, decodes the next groups while the trainer steps,
+staleness at most 2 with importance correction; a group's shared prompt fed once to the
+trainer); TRL generates with transformers' ``generate``, then trains, in turn.
 
 Each side runs in a fresh process; printed per side: wall seconds of the RL loop (model load
 excluded), trajectories trained per second, the trainer's sequence tokens per second of its
@@ -114,6 +115,7 @@ def tandem_side(model_dir: Path, args: argparse.Namespace) -> Figures:
                     group_size=args.group_size,
                     groups_per_step=args.groups,
                     rollout_workers=batch,
+                    backend=args.backend,
                     checkpoint_every=args.steps + 1,
                     torch_threads=max(1, args.threads // 2),
                 )
@@ -225,7 +227,7 @@ def trl_side(model_dir: Path, args: argparse.Namespace) -> Figures:
 
 
 SIDES = {"tandem": tandem_side, "trl": trl_side}
-SHARED = ("steps", "groups", "group_size", "new_tokens", "lr", "threads")
+SHARED = ("steps", "groups", "group_size", "new_tokens", "lr", "threads", "backend")
 
 
 def run_side(side: str, model_dir: Path, argv: list[str]) -> Figures:
@@ -278,6 +280,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", choices=("local", "process"), default="process",
+                    help="tandem's engine: a child process (the demo's default) or a thread")  # fmt: skip
     ap.add_argument("--only", choices=sorted(SIDES), default=None)
     ap.add_argument("--child", choices=sorted(SIDES), default=None)
     args = ap.parse_args()
