@@ -223,6 +223,9 @@ def main() -> None:
     if args.smollm2:
         engine_case(args)
         smollm2_case(args)
+    agreed = sum(gemm._agreement.values())
+    print(f"\nlong tiles had the bits of 16-row tiles for {agreed} of the "
+          f"{len(gemm._agreement)} weight layouts checked")  # fmt: skip
 
 
 if __name__ == "__main__":

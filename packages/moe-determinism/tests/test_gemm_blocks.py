@@ -263,4 +263,7 @@ def test_the_check_is_per_layout_and_skips_broadcast_weights(
     assert len(gemm._agreement) == 3
     row = torch.randn(96, 1)
     assert not gemm.long_tiles_agree(row.expand(96, 40))  # a zero stride: not tried
+    assert not gemm.long_tiles_agree(torch.randn(0, 40))  # nothing to multiply
     assert len(gemm._agreement) == 3
+    k0 = gemm.mm_blocks(torch.randn(gemm.LONG_ROW_TILE, 0), torch.randn(0, 40))
+    assert k0.shape == (gemm.LONG_ROW_TILE, 40) and not k0.any()

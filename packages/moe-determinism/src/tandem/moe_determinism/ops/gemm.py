@@ -191,9 +191,9 @@ def long_tiles_agree(b: torch.Tensor) -> bool:
 
     A single-threaded product of one shape and layout runs one instruction sequence, so
     equal bits on random rows (random terms summed in another order differ somewhere in
-    128 x N results) mean the same order for every input. Layouts with a zero or negative
-    stride are not tried (short tiles)."""
-    if any(s <= 0 for s, size in zip(b.stride(), b.shape, strict=True) if size > 1):
+    128 x N results) mean the same order for every input. Empty weights and layouts with a
+    zero stride are not tried (short tiles)."""
+    if b.numel() == 0 or any(s <= 0 for s, n in zip(b.stride(), b.shape, strict=True) if n > 1):
         return False
     per = b.element_size()
     offset = b.data_ptr() % tiles.ALIGN_BYTES // per
