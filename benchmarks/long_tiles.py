@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 from kv_reads import report
-from smollm2 import VOCAB, default_model, machine, trainer_groups
+from smollm2 import VOCAB, default_model, gemm_peak, machine, trainer_groups
 
 from tandem.moe_determinism.ops import gemm, tiles
 
@@ -136,20 +136,6 @@ def demo_case(args: argparse.Namespace) -> None:
               trainers, groups, args.repeats)  # fmt: skip
 
 
-def gemm_peak() -> float:
-    """This process's one-thread fp32 GEMM rate, FLOP/s (the best of 3 large products)."""
-    from tandem.orchestrator.runtime.threads import torch_threads
-
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    best = float("inf")
-    with torch_threads(1):
-        for _ in range(3):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t0)
-    return 2 * 2048**3 / best
-
-
 def smollm2_case(args: argparse.Namespace) -> None:
     from tandem.grpo import GRPOConfig
     from tandem.orchestrator.config import TrainerConfig
@@ -172,7 +158,7 @@ def smollm2_case(args: argparse.Namespace) -> None:
     prompt = [sum(1 for m in g[0].loss_mask if not m) for g in groups]
     tokens = sum(p + sum(len(s.tokens) - p for s in g) for p, g in zip(prompt, groups, strict=True))
     flops = 6 * sum(p.numel() for p in model.parameters()) * tokens
-    peak = gemm_peak()
+    peak = gemm_peak(1)
     print(f"  {tokens} tokens; one-thread fp32 GEMM peak {peak / 1e9:.0f} GFLOP/s; MFU "
           + ", ".join(f"{s} {flops / medians[s] / peak:.1%}" for s in SIDES))  # fmt: skip
 
