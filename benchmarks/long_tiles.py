@@ -33,6 +33,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,23 +61,23 @@ def use(side: str) -> None:
     tiles.cuts = cuts_from_the_left if before else CUTS
 
 
-def same(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return torch.equal(x, y)
-
-
-def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each side's run, the sides in turn (order flipped every round); the first
-    round a warm-up."""
+def interleaved(
+    runs: dict[str, Callable[[], Any]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
+    """Seconds and results of each side's runs, the sides in turn (order flipped every
+    round; the first round a warm-up, not kept)."""
     times: dict[str, list[float]] = {s: [] for s in runs}
+    results: dict[str, list[Any]] = {s: [] for s in runs}
     for r in range(repeats + 1):
         for side in list(runs) if r % 2 else list(runs)[::-1]:
             use(side)
             t0 = time.perf_counter()
-            runs[side]()
+            result = runs[side]()
             if r:
                 times[side].append(time.perf_counter() - t0)
+                results[side].append(result)
     use("today")
-    return times
+    return times, results
 
 
 def products_case(args: argparse.Namespace) -> None:
@@ -88,19 +89,16 @@ def products_case(args: argparse.Namespace) -> None:
         with torch_threads(threads):
             for k, n in SHAPES:
                 a, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-                outs: dict[str, torch.Tensor] = {}
-
-                def run(side: str, a=a, w=w, outs=outs) -> Callable[[], None]:
-                    return lambda: outs.__setitem__(side, gemm.mm_blocks(a, w.t()))
-
-                times = interleaved({s: run(s) for s in SIDES}, args.repeats)
+                product = partial(gemm.mm_blocks, a, w.t())
+                times, outs = interleaved(dict.fromkeys(SIDES, product), args.repeats)
+                equal = torch.equal(outs["16-row"][-1], outs["today"][-1])
                 med = {s: statistics.median(times[s]) for s in SIDES}
                 flops = 2 * rows * k * n / med["today"] / 1e9
                 print(f"  K {k:>4}, N {n:>4}: " + ", ".join(
                     f"{s} {med[s] * 1e3:.2f} ms" for s in SIDES
                 ) + f" (before / today {med['before'] / med['today']:.2f}x, today {flops:.0f} "
-                    f"GFLOP/s); 16-row = today: {same(outs['16-row'], outs['today'])}")  # fmt: skip
-                if not same(outs["16-row"], outs["today"]):
+                    f"GFLOP/s); 16-row = today: {equal}")  # fmt: skip
+                if not equal:
                     raise SystemExit("16-row and today's products differ")
 
 
@@ -109,7 +107,7 @@ def step_case(name: str, trainers: dict[str, Any], groups: list, repeats: int) -
 
     steps = iter(range(1, 10_000))
     with torch_threads(1):
-        times = interleaved(
+        times, _ = interleaved(
             {s: (lambda s=s: trainers[s].step(groups, version=next(steps))) for s in SIDES},
             repeats,
         )
@@ -168,21 +166,18 @@ def engine_case(args: argparse.Namespace) -> None:
 
     from tandem.orchestrator.runtime.threads import torch_threads
 
-    args.new_tokens = 8
-    sets, _, engine = smollm2_engines(args, 32)
+    shape = argparse.Namespace(model=args.model, new_tokens=8)
+    sets, _, engine = smollm2_engines(shape, 32)
     eng = engine()
-    times: dict[str, dict[str, list[float]]] = {s: {"prefill": [], "decode": []} for s in SIDES}
-    turns: dict[str, list] = {}
     with torch_threads(2):
         play(eng, sets["warmup"], 2)
-        for r in range(args.repeats + 1):
-            for side in SIDES if r % 2 else SIDES[::-1]:
-                use(side)
-                prefill, decode, turns[side] = play(eng, sets["run32"], args.new_tokens)
-                if r:
-                    times[side]["prefill"].append(prefill)
-                    times[side]["decode"].append(decode)
-    use("today")
+        _, plays = interleaved(
+            dict.fromkeys(SIDES, partial(play, eng, sets["run32"], shape.new_tokens)),
+            args.repeats,
+        )
+    times = {s: {"prefill": [p[0] for p in plays[s]], "decode": [p[1] for p in plays[s]]}
+             for s in SIDES}  # fmt: skip
+    turns = {s: plays[s][-1][2] for s in SIDES}
     equal = turns["16-row"] == turns["today"]
     print(f"\nSmolLM2-135M embedded engine, 32 prompts, two threads, median of {args.repeats}; "
           f"16-row and today's tokens and log-probs equal: {equal}")  # fmt: skip

@@ -174,12 +174,13 @@ def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 LONG_ROW_TILE = 128
 """Rows per tile of long products (a prefill, a trainer's forward), 0 for none. A BLAS
-runs a 16-row product well below its large-product speed (fp32, one thread, SmolLM2-135M's
-layers over 3,000 rows: 194 ms in 16-row tiles, 149 in 128-row ones, 146 in 256-row ones;
-over 192 rows, a GRPO group's sampled tails, 11.9, 10.0 and 11.5 ms). Tiles of both lengths
-must give a row the same bits, or the engine (decoding 16 rows at a time) and the trainer
-would disagree: each weight layout is checked once per process (`long_tiles_agree`), and
-where the bits differ every product keeps `tiles.ROW_TILE`."""
+runs a 16-row product well below its large-product speed: SmolLM2-135M's layer products
+over 3,000 rows took 1.2-1.4x as long in 16-row tiles as with these (one thread,
+`benchmarks/long_tiles.py`, "16-row" against today; an ad-hoc comparison found 256 rows no
+faster, and 128 reaches a GRPO group's 192 sampled rows). Tiles of both lengths must give a
+row the same bits, or the engine (decoding 16 rows at a time) and the trainer would
+disagree: each weight layout is checked once per process (`long_tiles_agree`), and where
+the bits differ every product keeps `tiles.ROW_TILE`."""
 
 _agreement: dict[tuple, bool] = {}  # a property of this machine's BLAS per weight layout
 

@@ -53,8 +53,10 @@ row tile) use several threads."""
 K_TILE = 2048
 """Most terms per partial product (`cuts`); partials are added in tile order, K <= K_TILE is
 one tile. A BLAS sums a long K at its own speed; each extra piece costs a call, an add and
-a rounding: with 512, SmolLM2-135M's 576 terms were a 512 and a 64 product and its layers'
-products took 1.17x as long on one thread, a 32-row decode step's 1.6x."""
+a rounding: with 512 and cuts from the left, SmolLM2-135M's 576 terms were a 512 and a 64
+product, and its layer products took 1.06-1.14x as long over 3,000 rows (one thread) and
+1.4-1.7x over 32 (two threads: a decode step's), `benchmarks/long_tiles.py`, "before"
+against "16-row", default kernels."""
 
 
 BATCH = 16
