@@ -7,7 +7,7 @@ depend on the batch. Two changes, each kept here as its baseline:
    terms, where they were cut from the left into pieces of 512 (SmolLM2's 576 as 512 + 64).
    "before" restores those cuts (other bits for K over 512).
 2. A product of at least `gemm.LONG_ROW_TILE` rows takes tiles of that many where this
-   machine's BLAS gives a row the bits of 16-row tiles (`gemm.long_tiles_agree`).
+   machine's BLAS gives a row the bits of 16-row tiles (`gemm.tiles_agree`).
    "16-row" is today's cuts without long tiles: the same bits as today, required.
 
 Cases, the sides interleaved:
@@ -54,29 +54,32 @@ def cuts_from_the_left(count: int, most: int, dtype: torch.dtype) -> list[tuple[
 
 
 def use(side: str) -> None:
-    """Set the module constants (and cut rule) of ``side``."""
+    """Set the module constants (and cut rule) of ``side``: "today" includes the fitted
+    tiles of decode steps (benchmarks/fitted_tiles.py), the baselines do not."""
     before = side == "before"
     gemm.LONG_ROW_TILE = LONG if side == "today" else 0
+    gemm.FITTED_TILES = side == "today"
     tiles.K_TILE = 512 if before else K_TILE
     tiles.cuts = cuts_from_the_left if before else CUTS
 
 
 def interleaved(
-    runs: dict[str, Callable[[], Any]], repeats: int
+    runs: dict[str, Callable[[], Any]], repeats: int, setup: Callable[[str], None] = use
 ) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
     """Seconds and results of each side's runs, the sides in turn (order flipped every
-    round; the first round a warm-up, not kept)."""
+    round; the first round a warm-up, not kept); ``setup(side)`` before each run, and
+    ``setup("today")`` at the end."""
     times: dict[str, list[float]] = {s: [] for s in runs}
     results: dict[str, list[Any]] = {s: [] for s in runs}
     for r in range(repeats + 1):
         for side in list(runs) if r % 2 else list(runs)[::-1]:
-            use(side)
+            setup(side)
             t0 = time.perf_counter()
             result = runs[side]()
             if r:
                 times[side].append(time.perf_counter() - t0)
                 results[side].append(result)
-    use("today")
+    setup("today")
     return times, results
 
 

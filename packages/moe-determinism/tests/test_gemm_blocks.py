@@ -218,13 +218,41 @@ def test_long_tiles_have_the_bits_of_short_ones(
         seen = _tile_lengths(monkeypatch)
         ours = gemm.mm_blocks(a, w.t())
         assert torch.equal(_bits(ours), _bits(_reference(a, w.t())))
-        assert (long in seen) == gemm.long_tiles_agree(w.t())
+        assert (long in seen) == gemm.tiles_agree(w.t(), long)
 
 
-def test_fewer_rows_than_a_long_tile_take_short_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fitted_rows_are_few_heights() -> None:
+    assert [gemm.fitted_rows(m) for m in (1, 3, 4, 5, 8, 9, 16, 17, 32, 100, 128)] == [
+        4, 4, 4, 8, 8, 16, 16, 32, 32, 112, 128,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fitted_tiles_have_the_bits_of_short_ones(
+    threads: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's rows (and the rows after the last long tile) take one tile of their
+    own count rounded up, where the BLAS gives a row the bits of 16-row tiles."""
+    gen = torch.Generator().manual_seed(threads)
+    long = gemm.LONG_ROW_TILE
+    for m, k, n in [(1, 96, 40), (3, 576, 300), (5, 64, 96), (17, 2100, 40), (32, 576, 600),
+                    (100, 96, 96), (long + 37, 96, 96)]:  # fmt: skip
+        a = torch.randn(m, k, generator=gen).to(dtype)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        seen = _tile_lengths(monkeypatch)
+        ours = gemm.mm_blocks(a, w.t())
+        assert torch.equal(_bits(ours), _bits(_reference(a, w.t())))
+        rest = m % long if m >= long and gemm.tiles_agree(w.t(), long) else m
+        height = gemm.fitted_rows(rest)
+        fitted = height != tiles.ROW_TILE and gemm.tiles_agree(w.t(), height)
+        assert seen[-1] == (height if fitted else tiles.ROW_TILE)
+
+
+def test_fitted_tiles_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm, "FITTED_TILES", False)
     a, w = torch.randn(gemm.LONG_ROW_TILE - 1, 64), torch.randn(32, 64)
     seen = _tile_lengths(monkeypatch)
-    gemm.mm_blocks(a, w.t())
+    assert torch.equal(gemm.mm_blocks(a, w.t()), _reference(a, w.t()))
     assert seen == [tiles.ROW_TILE]
 
 
@@ -246,10 +274,15 @@ def test_a_blas_whose_long_tiles_differ_keeps_short_ones(
     monkeypatch.setattr(gemm, "_agreement", {})
     gen = torch.Generator().manual_seed(threads)
     a, w = torch.randn(long + 40, 96, generator=gen), torch.randn(64, 96, generator=gen)
-    assert not gemm.long_tiles_agree(w.t())
+    assert not gemm.tiles_agree(w.t(), long)
     seen = _tile_lengths(monkeypatch)
     assert torch.equal(gemm.mm_blocks(a, w.t()), _reference(a, w.t()))
     assert seen == [tiles.ROW_TILE]
+    # a decode step's 100 rows would take one 112-row tile: another height, checked apart
+    assert gemm.tiles_agree(w.t(), gemm.fitted_rows(100))
+    seen.clear()
+    assert torch.equal(gemm.mm_blocks(a[:100], w.t()), _reference(a[:100], w.t()))
+    assert seen == [gemm.fitted_rows(100)]
 
 
 def test_the_check_is_per_layout_and_skips_broadcast_weights(
@@ -257,13 +290,16 @@ def test_the_check_is_per_layout_and_skips_broadcast_weights(
 ) -> None:
     monkeypatch.setattr(gemm, "_agreement", {})
     w = torch.randn(64, 96)
-    gemm.long_tiles_agree(w.t())  # F.linear's transposed weight
-    gemm.long_tiles_agree(w.t().contiguous())  # a row-major one
-    gemm.long_tiles_agree(torch.randn(64, 96)[:, 1:65])  # a slice off the 64-byte grid
+    long = gemm.LONG_ROW_TILE
+    gemm.tiles_agree(w.t(), long)  # F.linear's transposed weight
+    gemm.tiles_agree(w.t().contiguous(), long)  # a row-major one
+    gemm.tiles_agree(torch.randn(64, 96)[:, 1:65], long)  # a slice off the 64-byte grid
     assert len(gemm._agreement) == 3
+    gemm.tiles_agree(w.t(), 4)  # another height: checked apart
+    assert len(gemm._agreement) == 4
     row = torch.randn(96, 1)
-    assert not gemm.long_tiles_agree(row.expand(96, 40))  # a zero stride: not tried
-    assert not gemm.long_tiles_agree(torch.randn(0, 40))  # nothing to multiply
-    assert len(gemm._agreement) == 3
+    assert not gemm.tiles_agree(row.expand(96, 40), long)  # a zero stride: not tried
+    assert not gemm.tiles_agree(torch.randn(0, 40), long)  # nothing to multiply
+    assert len(gemm._agreement) == 4
     k0 = gemm.mm_blocks(torch.randn(gemm.LONG_ROW_TILE, 0), torch.randn(0, 40))
     assert k0.shape == (gemm.LONG_ROW_TILE, 40) and not k0.any()

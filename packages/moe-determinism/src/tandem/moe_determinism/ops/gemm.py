@@ -163,13 +163,19 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The CPU kernel of `mm` (no autograd graph): row tiles against the weight broadcast
     along the tiles (a stride-0 view, never copied). Products of at least `LONG_ROW_TILE`
-    rows take tiles of that many where `long_tiles_agree` (a row's bits are those of
-    `tiles.ROW_TILE`-row tiles), the last rows `tiles.ROW_TILE` at a time."""
+    rows take tiles of that many, and the rows after the last long tile (or a product of
+    fewer rows: a decode step's) one tile of their own count rounded up (`fitted_rows`),
+    each where `tiles_agree` (a row's bits are those of `tiles.ROW_TILE`-row tiles);
+    otherwise `tiles.ROW_TILE` rows at a time."""
     m, n = a.shape[0], b.shape[1]
     if m == 0:
         return a.new_empty(0, n)
-    long = LONG_ROW_TILE if 0 < LONG_ROW_TILE <= m and long_tiles_agree(b) else 0
-    return _mm_in_tiles(a, b, long)
+    long = LONG_ROW_TILE if 0 < LONG_ROW_TILE <= m and tiles_agree(b, LONG_ROW_TILE) else 0
+    rest = m - (m // long * long if long else 0)
+    last = fitted_rows(rest) if FITTED_TILES and 0 < rest <= max(LONG_ROW_TILE, 16) else 0
+    if last == tiles.ROW_TILE or (last and not tiles_agree(b, last)):
+        last = 0
+    return _mm_in_tiles(a, b, long, last)
 
 
 LONG_ROW_TILE = 128
@@ -179,51 +185,69 @@ over 3,000 rows took 1.2-1.4x as long in 16-row tiles as with these (one thread,
 `benchmarks/long_tiles.py`, "16-row" against today; an ad-hoc comparison found 256 rows no
 faster, and 128 reaches a GRPO group's 192 sampled rows). Tiles of both lengths must give a
 row the same bits, or the engine (decoding 16 rows at a time) and the trainer would
-disagree: each weight layout is checked once per process (`long_tiles_agree`), and where
+disagree: each weight layout is checked once per process (`tiles_agree`), and where
 the bits differ every product keeps `tiles.ROW_TILE`."""
 
-_agreement: dict[tuple, bool] = {}  # a property of this machine's BLAS per weight layout
+FITTED_TILES = True
+"""Whether the rows after the long tiles (all the rows of a decode step) take one tile of
+`fitted_rows` rows where `tiles_agree`, instead of `tiles.ROW_TILE` at a time. A decode
+step of 32 sequences then reads each weight once, not once per 16 rows, and one sequence
+multiplies 4 rows, not 16 (`benchmarks/fitted_tiles.py`)."""
 
 
-def long_tiles_agree(b: torch.Tensor) -> bool:
-    """Whether rows multiplied by ``b`` [K, N] in `LONG_ROW_TILE`-row tiles get the bits of
+def fitted_rows(m: int) -> int:
+    """The height of one tile holding ``m`` rows: 4 or 8 for a few rows, else ``m`` rounded
+    up to whole `tiles.ROW_TILE`s (few heights, so few layouts to check)."""
+    if m <= 8:
+        return 4 if m <= 4 else 8
+    return -(-m // tiles.ROW_TILE) * tiles.ROW_TILE
+
+
+_agreement: dict[tuple, bool] = {}  # a property of this machine's BLAS per layout and height
+CHECK_ROWS = 128
+"""Random rows per agreement check (in tiles of the height checked)."""
+
+
+def tiles_agree(b: torch.Tensor, rows: int) -> bool:
+    """Whether rows multiplied by ``b`` [K, N] in ``rows``-row tiles get the bits of
     `tiles.ROW_TILE`-row tiles, tried once on random values laid out as ``b`` (shape,
     strides and address modulo `tiles.ALIGN_BYTES`: what chooses the BLAS's kernel).
 
     A single-threaded product of one shape and layout runs one instruction sequence, so
     equal bits on random rows (random terms summed in another order differ somewhere in
-    128 x N results) mean the same order for every input. Empty weights and layouts with a
-    zero stride are not tried (short tiles)."""
+    `CHECK_ROWS` x N results) mean the same order for every input. Empty weights and
+    layouts with a zero stride are not tried (`tiles.ROW_TILE`-row tiles)."""
     if b.numel() == 0 or any(s <= 0 for s, n in zip(b.stride(), b.shape, strict=True) if n > 1):
         return False
     per = b.element_size()
     offset = b.data_ptr() % tiles.ALIGN_BYTES // per
-    key = (tuple(b.shape), b.stride(), offset, b.dtype, LONG_ROW_TILE)
+    key = (tuple(b.shape), b.stride(), offset, b.dtype, rows)
     if key not in _agreement:
         gen = torch.Generator().manual_seed(0)
         span = 1 + sum((size - 1) * s for size, s in zip(b.shape, b.stride(), strict=True))
         flat = torch.randn(offset + span, generator=gen).to(b.dtype)  # 64-byte aligned base
         like = flat.as_strided(b.shape, b.stride(), offset)
-        a = torch.randn(LONG_ROW_TILE, b.shape[0], generator=gen).to(b.dtype)
-        long = _mm_in_tiles(a, like, LONG_ROW_TILE)
-        short = _mm_in_tiles(a, like, 0)
-        _agreement[key] = torch.equal(long, short)
+        count = -(-CHECK_ROWS // rows) * rows
+        a = torch.randn(count, b.shape[0], generator=gen).to(b.dtype)
+        _agreement[key] = torch.equal(_mm_in_tiles(a, like, rows, 0), _mm_in_tiles(a, like, 0, 0))
     return _agreement[key]
 
 
-def _mm_in_tiles(a: torch.Tensor, b: torch.Tensor, long: int) -> torch.Tensor:
-    """a @ b by `tiles`: the first rows in tiles of ``long`` (0: none), the rest in
-    `tiles.ROW_TILE`-row tiles, all the tiles' jobs shared by the threads at once."""
+def _mm_in_tiles(a: torch.Tensor, b: torch.Tensor, long: int, last: int) -> torch.Tensor:
+    """a @ b by `tiles`: the first rows in tiles of ``long`` (0: none), the rest in tiles of
+    ``last`` rows (0: `tiles.ROW_TILE`), the last one zero-padded; all the tiles' jobs
+    shared by the threads at once."""
     m, k = a.shape
     n = b.shape[1]
     head = m // long * long if long else 0
-    rest = -(-(m - head) // tiles.ROW_TILE) * tiles.ROW_TILE
+    last = last or tiles.ROW_TILE
+    rest = -(-(m - head) // last) * last
     out = torch.empty(head + rest, n, dtype=a.dtype, device=a.device)
     parts = []
     if head:
         parts.append((tiles.row_tiles(a[:head], long), out[:head].view(head // long, long, n)))
     if rest:
-        parts.append((tiles.row_tiles(a[head:]), out[head:].view(-1, tiles.ROW_TILE, n)))
+        parts.append((tiles.row_tiles(a[head:], last), out[head:].view(-1, last, n)))
     work = (head + rest) * k * n
     jobs = []
     for padded, dst in parts:
