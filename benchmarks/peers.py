@@ -19,7 +19,9 @@ staleness at most 2 with importance correction; a group's shared prompt fed once
 trainer); TRL generates with transformers' ``generate``, then trains, in turn.
 
 Each side runs in a fresh process; printed per side: wall seconds of the RL loop (model load
-excluded), trajectories trained per second, the trainer's sequence tokens per second of its
+excluded), trajectories trained per second and those of them whose group's rewards differ
+(the only ones a GRPO update learns from: TRL trains equal-reward groups at zero advantage,
+tandem plays more groups instead), the trainer's sequence tokens per second of its
 own time (prompt and reply tokens of the trained samples over the seconds spent outside
 generation), the mean reward of the first and the last step, and the ratios tandem/TRL.
 
@@ -136,6 +138,8 @@ def tandem_side(model_dir: Path, args: argparse.Namespace) -> Figures:
         "wall_s": wall,
         "trajectories": int(steps[-1]["trajectories"]),  # played, equal-reward groups too
         "trained": summary.steps_done * batch,
+        # every trained group's rewards differ: groups without a signal are played, not trained
+        "informative": summary.steps_done * batch,
         "sequence_tokens": whole,
         "fed_tokens": sum(r["trainer_tokens_fed"] for r in steps),
         "trainer_s": train_s,
@@ -218,6 +222,10 @@ def trl_side(model_dir: Path, args: argparse.Namespace) -> Figures:
         "steps": int(trainer.state.global_step),
         "wall_s": wall,
         "trajectories": int(trainer.state.global_step) * args.groups * args.group_size,
+        # trained, but those of groups whose rewards are all equal have zero advantage
+        "informative": sum(
+            round((1 - h["frac_reward_zero_std"]) * args.groups * args.group_size) for h in logs
+        ),
         "sequence_tokens": tokens,
         "trainer_s": wall - generating[0],
         "generate_s": generating[0],
@@ -253,6 +261,7 @@ def report(rows: dict[str, Figures], args: argparse.Namespace) -> None:
     row("trajectories played / s", lambda f: f["trajectories"] / f["wall_s"], ".3f")
     row("trajectories trained / s", lambda f: f.get("trained", f["trajectories"]) / f["wall_s"],
         ".3f")  # fmt: skip
+    row("  of them with a learning signal / s", lambda f: f["informative"] / f["wall_s"], ".3f")
     row("trainer sequence tokens / s", lambda f: f["sequence_tokens"] / f["trainer_s"], ".0f")
     row("reward, first step", lambda f: f["rewards"][0], ".3f")
     row("reward, last step", lambda f: f["rewards"][-1], ".3f")
