@@ -172,7 +172,8 @@ def mm_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.new_empty(0, n)
     long = LONG_ROW_TILE if 0 < LONG_ROW_TILE <= m and tiles_agree(b, LONG_ROW_TILE) else 0
     rest = m - (m // long * long if long else 0)
-    last = fitted_rows(rest) if FITTED_TILES and 0 < rest <= max(LONG_ROW_TILE, 16) else 0
+    most = max(LONG_ROW_TILE, tiles.ROW_TILE)  # more rows than a long tile: 16 at a time
+    last = fitted_rows(rest) if FITTED_TILES and 0 < rest <= most else 0
     if last == tiles.ROW_TILE or (last and not tiles_agree(b, last)):
         last = 0
     return _mm_in_tiles(a, b, long, last)
