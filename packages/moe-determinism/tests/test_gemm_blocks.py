@@ -285,6 +285,31 @@ def test_a_blas_whose_long_tiles_differ_keeps_short_ones(
     assert seen == [gemm.fitted_rows(100)]
 
 
+def test_a_blas_whose_fitted_tiles_differ_keeps_short_ones(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A BLAS whose 4-row products round otherwise (simulated: nudged by one ulp) is caught
+    by the check of that height: a one-sequence decode step keeps a 16-row tile and its
+    bits, while 8-row tiles, checked apart, are still taken."""
+    real_mm = torch.mm
+
+    def nudged(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None):
+        result = real_mm(a, b, out=out)
+        if a.shape[0] == 4:
+            result.copy_(torch.nextafter(result, torch.full_like(result, float("inf"))))
+        return result
+
+    monkeypatch.setattr(torch, "mm", nudged)
+    monkeypatch.setattr(gemm, "_agreement", {})
+    gen = torch.Generator().manual_seed(threads)
+    a, w = torch.randn(8, 96, generator=gen), torch.randn(64, 96, generator=gen)
+    assert not gemm.tiles_agree(w.t(), 4) and gemm.tiles_agree(w.t(), 8)
+    seen = _tile_lengths(monkeypatch)
+    assert torch.equal(gemm.mm_blocks(a[:1], w.t()), _reference(a[:1], w.t()))
+    assert torch.equal(gemm.mm_blocks(a[:6], w.t()), _reference(a[:6], w.t()))
+    assert seen == [tiles.ROW_TILE, 8]
+
+
 def test_the_check_is_per_layout_and_skips_broadcast_weights(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
