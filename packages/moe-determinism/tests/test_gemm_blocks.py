@@ -310,6 +310,28 @@ def test_a_blas_whose_fitted_tiles_differ_keeps_short_ones(
     assert seen == [tiles.ROW_TILE, 8]
 
 
+def test_the_check_tries_one_column_tile_of_each_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column tiles of one width and start alignment run one instruction sequence: a wide
+    head is checked on one of them, and a tile of another kind (here the narrower last
+    one, rounded otherwise in 4-row products) is still checked and caught."""
+    head = torch.randn(49152, 64).t()  # F.linear's transposed weight: every tile one kind
+    assert len(gemm._column_classes(head)) == 1
+    w = torch.randn(520, 64)  # cut 272 + 248: two kinds
+    last = tiles.cuts(520, tiles.COL_TILE, w.dtype)[-1]
+    assert [p.shape[1] for p in gemm._column_classes(w.t())] == [272, last[1] - last[0]]
+    real_mm = torch.mm
+
+    def nudged(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None):
+        result = real_mm(a, b, out=out)
+        if a.shape[0] == 4 and b.shape[1] == last[1] - last[0]:
+            result.copy_(torch.nextafter(result, torch.full_like(result, float("inf"))))
+        return result
+
+    monkeypatch.setattr(torch, "mm", nudged)
+    monkeypatch.setattr(gemm, "_agreement", {})
+    assert not gemm.tiles_agree(w.t(), 4) and gemm.tiles_agree(w.t(), 8)
+
+
 def test_the_check_is_per_layout_and_skips_broadcast_weights(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
