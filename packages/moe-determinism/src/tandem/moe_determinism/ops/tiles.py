@@ -6,9 +6,10 @@ other bits than row i of `A @ B` for small m, and with 2 threads it may split th
 dimension between them. So no product here is ever handed to the BLAS as it comes:
 
 1. Rows are cut into tiles of exactly `ROW_TILE` rows (the last one zero-padded; long
-   products also into longer tiles where the BLAS gives a row the same bits:
-   `gemm.LONG_ROW_TILE`), columns into even pieces of at most `COL_TILE` and the reduced
-   dimension K into even pieces of at most `K_TILE` (`cuts`); every column and K cut
+   products into longer tiles, and short ones into one tile of their own rows rounded up,
+   where the BLAS gives a row the same bits: `gemm.LONG_ROW_TILE`, `gemm.fitted_rows`),
+   columns into even pieces of at most `COL_TILE` and the reduced dimension K into even
+   pieces of at most `K_TILE` (`cuts`); every column and K cut
    depends on K and N (properties of the weight) and never on M or the thread count.
 2. Each (row tile, column tile, K tile) partial product is one call of one fixed shape and
    layout, run by a thread whose OpenMP and BLAS thread count is 1. A single-threaded call
@@ -43,8 +44,9 @@ import torch
 from tandem.moe_determinism.ops import workers
 
 ROW_TILE = 16
-"""Rows per tile. Small enough that a padded decode batch wastes little (small-M products
-are bound by reading the weight); long products also take tiles of `gemm.LONG_ROW_TILE`."""
+"""Rows per tile: the height whose bits every other height must give (`gemm.tiles_agree`).
+Long products take tiles of `gemm.LONG_ROW_TILE` and short ones (a decode step's) one tile
+of `gemm.fitted_rows` where the BLAS agrees."""
 
 COL_TILE = 512
 """Most output columns per tile (`cuts`: 576 are two of 288): what lets a decode step (one
