@@ -113,3 +113,26 @@ def test_the_layers_enter_it_under_batch_invariant_on_the_cpu() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def test_a_thread_sets_its_own_count_and_no_other() -> None:
+    seen: dict[str, int] = {}
+
+    def own() -> None:
+        workers.set_own_thread_count(2)
+        seen["own"] = torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        t = threading.Thread(target=own)
+        t.start()
+        t.join()
+        later = threading.Thread(target=lambda: seen.setdefault("later", torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert seen == {"own": 2, "later": 1} and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        workers.set_own_thread_count(0)

@@ -132,6 +132,23 @@ _caller = _ThreadLocalCount()
 _scope = threading.local()  # .threads: the count `stock_ops_on_one_thread` keeps for tiles
 
 
+def set_own_thread_count(count: int) -> None:
+    """Set the calling thread's own OpenMP and MKL thread counts (what `torch.get_num_threads`
+    and the tile products then use on it) and nothing else: unlike `torch.set_num_threads`,
+    threads started later keep the process's count. Without a loadable OpenMP runtime, falls
+    back to `torch.set_num_threads`."""
+    if count < 1:
+        raise ValueError(f"set_own_thread_count: count must be >= 1, got {count}")
+    if not _caller.available:
+        torch.set_num_threads(count)
+        return
+    assert _caller.omp is not None
+    torch.get_num_threads()  # torch's per-thread setup first: it would undo the count below
+    _caller.omp.omp_set_num_threads(count)
+    if _caller.mkl is not None:
+        _caller.mkl(count)
+
+
 def tile_threads() -> int:
     """Threads the tile products share: torch's count for this thread, or the count it had
     when `stock_ops_on_one_thread` was entered."""
