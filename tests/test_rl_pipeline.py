@@ -64,6 +64,7 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         rollout_workers=3,
         checkpoint_every=3,
         torch_threads=1,
+        trainer_threads_alone=2,  # the trainer takes 2 while the engine has nothing to play
     )
     with torch_threads(2):  # a count other than the run's, whatever this machine's default
         summary = tiny_run(tmp_path, rl, hooks, check_rows=2).run()
@@ -83,6 +84,7 @@ def test_async_steps_versions_deltas_staleness(tmp_path: Path) -> None:
         assert r["routing_agreement_replay"] == 1.0
         if r.get("mismatch_tokens"):
             assert r["mismatch_max_abs"] == 0.0
+        assert 0 <= r["trainer_alone_s"] <= r["train_s"]
     # Groups were produced at version 0 beyond what step 0 could use: max_staleness=0 drops them.
     assert group_versions.count(0) >= 2
     assert summary.dropped_stale >= 1

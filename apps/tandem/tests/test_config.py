@@ -182,6 +182,7 @@ def test_dump_round_trips() -> None:
         ("trainer.loss.micro_batch_size=0", r"trainer\.loss: GRPOConfig\.micro_batch_size=0"),
         ("trainer.loss.entropy_coef=-0.1", r"GRPOConfig\.entropy_coef=-0\.1: must be a finite"),
         ("rl.torch_threads=-1", r"rl: torch_threads: must be >= 0"),
+        ("rl.trainer_threads_alone=2", r"rl: trainer_threads_alone: must be 0, or >= torch_t"),
         ("env.max_turns=0", r"env: max_turns must be >= 1"),
         ("env.sandbox.limits.pids=0", r"env\.sandbox\.limits: pids must be > 0"),
         ("model.num_experts_per_tok=9", r"model: num_experts_per_tok must be in"),

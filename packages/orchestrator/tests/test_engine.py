@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -12,7 +13,7 @@ from tandem.delta_sync import LocalStore
 from tandem.moe_determinism import batch_invariant
 from tandem.orchestrator.config import TrainerConfig
 from tandem.orchestrator.inference.embedded.engine import EngineError
-from tandem.orchestrator.runtime.threads import torch_threads
+from tandem.orchestrator.runtime.threads import SpareCores, torch_threads
 from tandem.orchestrator.training.collate import collate
 from tandem.orchestrator.training.scoring import score
 from tandem.orchestrator.training.trainer import RLTrainer
@@ -81,6 +82,30 @@ def test_trainer_step_reports_zero_mismatch_and_full_agreement(
     assert metrics["mismatch_tokens"] > 0
     assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_frac_differ"] == 0.0
     assert metrics["routing_agreement_free"] == 1.0
+    assert metrics["routing_agreement_replay"] == 1.0
+
+
+def test_a_trainer_that_changes_its_thread_count_layer_by_layer_matches_the_engine(
+    chat, tiny_policy, make_engine, helpers
+) -> None:
+    """`SpareCores` switches the trainer between 1 and 2 threads before every layer (forward
+    and backward); the products' bits do not depend on the count, so the step still scores
+    every token as the single-threaded engine did."""
+    engine = make_engine(tiny_policy)
+    with torch_threads(1):
+        samples = helpers.drive(engine, chat, _episodes(chat, helpers))
+    trainer = RLTrainer(tiny_policy, TrainerConfig(lr=1e-3, routing_check_rows=2))
+    turns = itertools.count()
+    counts: list[int] = []
+    cores = SpareCores(1, 2, lambda: next(turns) % 3 == 0)
+    detach = cores.attach(tiny_policy)
+    tiny_policy.layers[0].register_forward_hook(lambda *_: counts.append(torch.get_num_threads()))
+    with torch_threads(1):
+        metrics = trainer.step([samples[:2], samples[2:]], 0)
+    detach()
+    assert set(counts) == {1, 2} and cores.switches > 2
+    assert metrics["mismatch_tokens"] > 0
+    assert metrics["mismatch_max_abs"] == 0.0 and metrics["mismatch_frac_differ"] == 0.0
     assert metrics["routing_agreement_replay"] == 1.0
 
 

@@ -241,6 +241,8 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``curriculum``: which tasks at the cursor are played. ``torch_threads``: torch's CPU
     threads of this process and of a ``process`` engine (0: torch's default; Ray actors have
     ``ray.torch_threads``; on 2 cores 1 lets the engine and the trainer each have a core).
+    ``trainer_threads_alone``: the trainer's threads while no group is being played (0:
+    ``torch_threads`` throughout; `SpareCores`; engines on this machine only).
     ``max_equal_groups``: equal-reward groups in a row that end the run (0: it waits on).
     ``tool_error_penalty``: taken off an episode's training reward for each call the
     environment answered with an error (an edit whose old text is not in the file, a
@@ -261,6 +263,7 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     anchor_every: int = 20
     weights_store: str = ""
     torch_threads: int = 0
+    trainer_threads_alone: int = 0
     max_equal_groups: int = 0
     tool_error_penalty: float = 0.0
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
@@ -277,6 +280,12 @@ class RLConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _require(self.max_ahead >= 0, "max_ahead", "must be >= 0 (0: max_staleness + 1)")
         _require(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0: torch's default)")
         _require(self.max_equal_groups >= 0, "max_equal_groups", "must be >= 0 (0: no limit)")
+        _require(
+            self.trainer_threads_alone == 0
+            or (self.backend != "ray" and self.trainer_threads_alone >= self.torch_threads > 0),
+            "trainer_threads_alone",
+            "must be 0, or >= torch_threads (set, > 0) with the local or process backend",
+        )
         _require(self.tool_error_penalty >= 0, "tool_error_penalty", "must be >= 0")
 
 

@@ -49,11 +49,21 @@ class GroupSource:
         self.trajectories = 0
         self.requeued = 0
         self.episodes_cut = 0
+        self.playing = 0  # groups being played now
+
+    @property
+    def idle(self) -> bool:
+        """No group is being played: the engines have nothing to do."""
+        return self.playing == 0
 
     async def play(self, index: int, min_version: int = -1) -> Group | None:
         """Task ``index``'s group, or None when it had to be dropped; raises `WorkerLost`
         when its worker is gone (the caller plays it again)."""
-        played = await self.rollouts.play(index, min_version)
+        self.playing += 1
+        try:
+            played = await self.rollouts.play(index, min_version)
+        finally:
+            self.playing -= 1
         task_id = self.cursor.task(index).id
         if played.dropped:
             self.episodes_cut += played.cut

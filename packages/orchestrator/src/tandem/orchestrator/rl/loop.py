@@ -21,6 +21,7 @@ import inspect
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from tandem.orchestrator.rl.staleness import StalenessRule, StalenessStats
 from tandem.orchestrator.rl.step_log import StepProgress, log_step
 from tandem.orchestrator.rl.summary import RunSummary, step_metrics
 from tandem.orchestrator.runtime.cancel import cancel_and_wait
-from tandem.orchestrator.runtime.threads import torch_threads
+from tandem.orchestrator.runtime.threads import SpareCores, torch_threads
 from tandem.orchestrator.wire import Group
 
 log = structlog.get_logger()
@@ -87,6 +88,7 @@ class RLRun:
         self.step = self.version = self.stream = 0
         self.busy_s = self.wait_s = 0.0
         self.signal_at = 0.0  # when the first stop signal came
+        self.cores: SpareCores | None = None
 
     def run(self) -> RunSummary:
         """Run (or resume) to ``rl.steps`` steps; returns the run's summary."""
@@ -120,8 +122,13 @@ class RLRun:
     def _train(self, trainer: Trainer, groups: list[Group]) -> tuple[dict[str, Any], Any]:
         """The trainer step and the publish of its version (in a worker thread)."""
         t0 = time.perf_counter()
-        stats = trainer.step([g.samples for g in groups], self.version)
+        try:
+            stats = trainer.step([g.samples for g in groups], self.version)
+        finally:
+            alone = self.cores.end_step() if self.cores is not None else None
         stats["train_s"] = time.perf_counter() - t0
+        if alone is not None:
+            stats["trainer_alone_s"] = alone
         report = None
         if stats.get("step_applied"):
             self.version += 1
@@ -210,6 +217,23 @@ class RLRun:
             loop.add_signal_handler(sig, on_signal, sig)
         return received
 
+    def _share_cores(self, trainer: Trainer, source: GroupSource) -> Callable[[], None]:
+        """With ``rl.trainer_threads_alone``, the trainer (in this process with the local and
+        process backends: its model is here) steps on that many threads while no group is
+        being played."""
+        if not self.rl.trainer_threads_alone:
+            return lambda: None
+        model = getattr(trainer, "model", None)
+        if model is None:
+            raise ValueError(
+                f"rl.trainer_threads_alone: the trainer {type(trainer).__name__} does not run "
+                "its model in this process; set it to 0"
+            )
+        self.cores = SpareCores(
+            self.rl.torch_threads, self.rl.trainer_threads_alone, lambda: source.idle
+        )
+        return self.cores.attach(model)
+
     # -- the run -----------------------------------------------------------------------------
     async def _run(self, backend: Backend) -> RunSummary:
         t_start = time.perf_counter()
@@ -225,6 +249,7 @@ class RLRun:
             self.rl.tool_error_penalty,
             self.balance,
         )
+        detach = self._share_cores(backend.trainer, source)
         staleness = StalenessStats()
         schedule = make_schedule(
             ScheduleContext(
@@ -321,6 +346,7 @@ class RLRun:
                 self._checkpoint(backend, schedule)
         finally:
             bar.close()
+            detach()
             await cancel_and_wait(own)
             await schedule.close()
             final = await rollouts.stats()
