@@ -14,9 +14,11 @@ a constant), no KL term, temperature 1, AdamW at ``--lr``, ``--steps`` steps of 
 prompts x ``--group-size`` samples, ``--new-tokens`` tokens per reply at most, float32 on the
 CPU, ``--threads`` torch threads in all. What differs is each stack's own design: tandem runs
 its pipeline as configured for RL (asynchronous: the engine, in a child process with
-``--backend process`` as in the demo, decodes the next groups while the trainer steps,
-staleness at most 2 with importance correction; a group's shared prompt fed once to the
-trainer); TRL generates with transformers' ``generate``, then trains, in turn.
+``--backend process`` as in the demo, decodes the next groups while the trainer steps, one
+thread each, and the trainer takes every thread while no group is being played
+(``rl.trainer_threads_alone``; ``--no-spare-cores``: one thread throughout); staleness at
+most 2 with importance correction; a group's shared prompt fed once to the trainer); TRL
+generates with transformers' ``generate``, then trains, in turn.
 
 Each side runs in a fresh process; printed per side: wall seconds of the RL loop (model load
 excluded), trajectories trained per second and those of them whose group's rewards differ
@@ -120,6 +122,8 @@ def tandem_side(model_dir: Path, args: argparse.Namespace) -> Figures:
                     backend=args.backend,
                     checkpoint_every=args.steps + 1,
                     torch_threads=max(1, args.threads // 2),
+                    # the engine's core goes to the trainer while no group is being played
+                    trainer_threads_alone=args.threads if args.spare_cores else 0,
                 )
             ),
         },
@@ -146,6 +150,8 @@ def tandem_side(model_dir: Path, args: argparse.Namespace) -> Figures:
         "rewards": [r["reward_mean"] for r in steps],
         "params": sum(p.numel() for p in policy.parameters()),
         "trainer_threads": max(1, args.threads // 2),
+        # seconds of the steps the trainer computed on all threads (the engine idle)
+        "trainer_alone_s": sum(r.get("trainer_alone_s", 0.0) for r in steps),
     }
 
 
@@ -235,7 +241,7 @@ def trl_side(model_dir: Path, args: argparse.Namespace) -> Figures:
 
 
 SIDES = {"tandem": tandem_side, "trl": trl_side}
-SHARED = ("steps", "groups", "group_size", "new_tokens", "lr", "threads", "backend")
+SHARED = ("steps", "groups", "group_size", "new_tokens", "lr", "threads", "backend", "spare_cores")
 
 
 def run_side(side: str, model_dir: Path, argv: list[str]) -> Figures:
@@ -275,9 +281,23 @@ def report(rows: dict[str, Figures], args: argparse.Namespace) -> None:
     for side in ("tandem", "trl"):
         f = rows[side]
         flops = 6 * params * f.get("fed_tokens", f["sequence_tokens"]) / f["trainer_s"]
-        peak = peaks[f["trainer_threads"]]
+        # the peak of the threads it had, weighed by the time it had them
+        alone = f.get("trainer_alone_s", 0.0)
+        narrow, wide = peaks[f["trainer_threads"]], peaks[args.threads]
+        peak = (narrow * (f["trainer_s"] - alone) + wide * alone) / f["trainer_s"]
+        had = f"{f['trainer_threads']} thread(s)"
+        if alone:
+            had += f", {args.threads} for {alone:.0f} of its {f['trainer_s']:.0f} s"
         print(f"{side} trainer: {flops / 1e9:.1f} GFLOP/s of model FLOPs, "
-              f"MFU {flops / peak:.1%} of {f['trainer_threads']} thread(s)")  # fmt: skip
+              f"MFU {flops / peak:.1%} of {had}")  # fmt: skip
+
+
+def flag(name: str, value: Any) -> str:
+    """The command-line flag that gives a child process ``name`` = ``value``."""
+    name = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    return f"--{name}={value}"
 
 
 def main() -> None:
@@ -291,6 +311,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", choices=("local", "process"), default="process",
                     help="tandem's engine: a child process (the demo's default) or a thread")  # fmt: skip
+    ap.add_argument("--spare-cores", action=argparse.BooleanOptionalAction, default=True,
+                    help="tandem's trainer takes every thread while no group is being played")  # fmt: skip
     ap.add_argument("--only", choices=sorted(SIDES), default=None)
     ap.add_argument("--child", choices=sorted(SIDES), default=None)
     args = ap.parse_args()
@@ -298,8 +320,7 @@ def main() -> None:
     if args.child:
         child_of(SIDES, args.child, model_dir, args)
         return
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k in SHARED]  # fmt: skip
+    argv = [flag(k, v) for k, v in vars(args).items() if k in SHARED]
     sides = [args.only] if args.only else ["tandem", "trl"]
     rows = {s: run_side(s, model_dir, argv) for s in sides}
     if len(rows) == 2:
