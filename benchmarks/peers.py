@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -131,9 +132,12 @@ def tandem_side(model_dir: Path, args: argparse.Namespace) -> Figures:
     )
     policy = build_model(config.model, chat.tok)
     t0 = time.perf_counter()
-    summary = reinforce(policy, config, hooks=RunHooks(reward=reward))
-    wall = time.perf_counter() - t0
-    records = read_metrics(config.run_dir / "rl" / "metrics.jsonl")
+    try:
+        summary = reinforce(policy, config, hooks=RunHooks(reward=reward))
+        wall = time.perf_counter() - t0
+        records = read_metrics(config.run_dir / "rl" / "metrics.jsonl")
+    finally:  # the weight stream and the checkpoint: about 3.4 GB a run
+        shutil.rmtree(run_dir, ignore_errors=True)
     steps = [r for r in records if "train_s" in r]
     whole = sum(r["trainer_tokens_fed"] + r.get("trainer_tokens_shared", 0) for r in steps)
     train_s = sum(r["train_s"] for r in steps)
