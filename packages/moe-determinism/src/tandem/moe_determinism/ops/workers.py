@@ -57,12 +57,17 @@ class _ThreadLocalCount:
     def available(self) -> bool:
         return self.omp is not None
 
+    def set(self, count: int) -> int:
+        """Set this thread's counts; returns MKL's count before (0: the process-wide one)."""
+        assert self.omp is not None
+        self.omp.omp_set_num_threads(count)
+        return self.mkl(count) if self.mkl is not None else 0
+
     @contextmanager
     def one(self) -> Iterator[None]:
         assert self.omp is not None
         before = self.omp.omp_get_max_threads()
-        self.omp.omp_set_num_threads(1)
-        mkl_before = self.mkl(1) if self.mkl is not None else 0
+        mkl_before = self.set(1)
         try:
             yield
         finally:
@@ -142,11 +147,8 @@ def set_own_thread_count(count: int) -> None:
     if not _caller.available:
         torch.set_num_threads(count)
         return
-    assert _caller.omp is not None
     torch.get_num_threads()  # torch's per-thread setup first: it would undo the count below
-    _caller.omp.omp_set_num_threads(count)
-    if _caller.mkl is not None:
-        _caller.mkl(count)
+    _caller.set(count)
 
 
 def tile_threads() -> int:
