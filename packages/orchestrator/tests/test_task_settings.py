@@ -43,3 +43,27 @@ def test_partial_credit_setting_grades_the_fraction_of_hidden_tests(partial: boo
     assert 0 < passed < len(wanted)  # ...while the pass-to-pass ones pass
     expected = passed / len(wanted) if partial else 0.0
     assert reward == pytest.approx(expected)
+
+
+def test_renamed_locals_reach_the_tasks_and_the_multibug_family_refuses_them() -> None:
+    from tandem.agent_env import generate_tasks
+    from tandem.orchestrator.config import ConfigValueError, TaskConfig
+    from tandem.orchestrator.rollout.tasks import TaskSource
+
+    config = TaskConfig(functions=["chunked"], rename_locals=True)
+    task = TaskSource(config, 5)[3]
+    same = generate_tasks(
+        5,
+        1,
+        start=3,
+        kinds=config.kinds,
+        functions=["chunked"],
+        functions_per_repo=1,
+        hidden_per_function=config.hidden_per_function,
+        rename_locals=True,
+    )
+    assert task == same[0]
+    plain = TaskSource(TaskConfig(functions=["chunked"]), 5)[3]
+    assert task.files != plain.files
+    with pytest.raises(ConfigValueError, match="rename_locals: applies to the single family only"):
+        TaskConfig(family="multibug", rename_locals=True)

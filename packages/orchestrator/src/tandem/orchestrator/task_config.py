@@ -38,12 +38,17 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Template functions the bugs are drawn from (empty: all of agent-env's)."""
     modules: list[str] = msgspec.field(default_factory=list)
     """Module names the repositories use (empty: all of agent-env's)."""
+    rename_locals: bool = False
+    """Each task's functions get parameters and locals of their own (agent-env's
+    `generate_tasks`), so a fix cannot be recalled from other tasks, only copied from the
+    file (``single`` family only)."""
 
     def __post_init__(self) -> None:
         _require(self.train_seed != self.eval_seed, "eval_seed", "must differ from train_seed")
         if self.family == "multibug":
             for name in ("functions", "modules"):
                 _require(not getattr(self, name), name, "narrows the single family only (empty)")
+            _require(not self.rename_locals, "rename_locals", "applies to the single family only")
             try:
                 check_multibug_family(
                     self.repo_modules,

@@ -17,6 +17,7 @@ from tandem.agent_env.errors import SandboxError
 from tandem.agent_env.sandbox.inside.canon import canon
 from tandem.agent_env.task import HiddenCase, HiddenTests, ReferenceEdit, Task
 from tandem.agent_env.tasks import execute, mutate
+from tandem.agent_env.tasks.rename import renamed
 from tandem.agent_env.tasks.templates import TEMPLATES, Template
 
 MODULE_NAMES = (
@@ -208,11 +209,14 @@ def generate_task(
     *,
     functions: Sequence[str] | None = None,
     modules: Sequence[str] | None = None,
+    rename_locals: bool = False,
 ) -> Task:
     """Task number ``index`` of ``seed`` (deterministic).
 
     ``functions`` narrows the template functions the bug is drawn from (and the repository's
     other functions), ``modules`` the module names; both default to all of them.
+    ``rename_locals`` gives every function of the repository parameters and locals of its
+    own, drawn per task (`rename.renamed`), so that no fix text recurs between tasks.
     """
     pool = _pick(TEMPLATES, functions)
     names = tuple(modules) if modules else MODULE_NAMES
@@ -220,12 +224,22 @@ def generate_task(
     for attempt in range(400):
         kind = kinds[(index + attempt // 40) % len(kinds)]
         target = rng.choice(pool)
+        if rename_locals:
+            target = renamed(target, rng)
         bug = inject_bug(rng, target, kind, hidden_per_function)
         if bug is None:
             continue
         try:
             return _assemble(
-                rng, seed, index, bug, functions_per_repo, hidden_per_function, pool, names
+                rng,
+                seed,
+                index,
+                bug,
+                functions_per_repo,
+                hidden_per_function,
+                pool,
+                names,
+                rename_locals,
             )
         except ValueError:
             continue
@@ -241,10 +255,13 @@ def _assemble(
     hidden_per_function: int,
     pool: Sequence[Template],
     modules: Sequence[str],
+    rename_locals: bool,
 ) -> Task:
     target = bug.target
     module = rng.choice(modules)
-    others = rng.sample([t for t in pool if t is not target], functions_per_repo - 1)
+    others = rng.sample([t for t in pool if t.name != target.name], functions_per_repo - 1)
+    if rename_locals:
+        others = [renamed(t, rng) for t in others]
     order = [target, *others]
     rng.shuffle(order)
     fixed_mod = module_source(module, [t.source for t in order])
@@ -330,13 +347,14 @@ def generate_tasks(
     hidden_per_function: int = 8,
     functions: Sequence[str] | None = None,
     modules: Sequence[str] | None = None,
+    rename_locals: bool = False,
 ) -> list[Task]:
     """``n`` generated tasks, numbers ``start .. start + n - 1`` of ``seed``.
 
     Bug kinds rotate with the index (so any 7 consecutive tasks cover all kinds). Use
     different seeds for training and held-out sets. ``functions`` and ``modules`` narrow the
     task family (the template functions and module names drawn from; default: all), e.g. for
-    a curriculum or a small model's demo.
+    a curriculum or a small model's demo. ``rename_locals``: see `generate_task`.
     """
     check_task_family(kinds, functions_per_repo, functions, modules)
     return [
@@ -348,6 +366,7 @@ def generate_tasks(
             hidden_per_function,
             functions=functions,
             modules=modules,
+            rename_locals=rename_locals,
         )
         for i in range(start, start + n)
     ]

@@ -45,6 +45,7 @@ class TaskSource:
             hidden_per_function=c.hidden_per_function,
             functions=c.functions or None,
             modules=c.modules or None,
+            rename_locals=c.rename_locals,
         )[0]
 
     def __getitem__(self, index: int) -> Task:
