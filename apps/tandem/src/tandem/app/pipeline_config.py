@@ -46,7 +46,7 @@ class DemoSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     time_cap_s: float = 0.0
     midtrain_cap_s: float = 0.0
-    lift_band: tuple[float, float] = (11.9, 21.9)
+    lift_band: tuple[float, float] = (7.0, 18.1)
     compare: CompareSettings = msgspec.field(default_factory=CompareSettings)
 
     def __post_init__(self) -> None:
