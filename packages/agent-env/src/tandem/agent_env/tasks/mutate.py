@@ -63,7 +63,8 @@ def _span_replace(lines: list[str], node: ast.AST, text: str) -> tuple[int, int,
     return first, last + 1, tuple((head + text + tail).split("\n"))
 
 
-def _locals(fn: ast.FunctionDef) -> list[str]:
+def local_names(fn: ast.FunctionDef) -> list[str]:
+    """``fn``'s parameters and the names it assigns, sorted."""
     names = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
     for node in ast.walk(fn):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -104,7 +105,7 @@ def candidates(source: str, func: str, kind: str) -> list[Mutation]:
         s, e, nl = _span_replace(lines, node, ast.unparse(new))
         out.append(Mutation(kind, s, e, nl, desc))
 
-    local_names = _locals(fn)
+    locals_ = local_names(fn)
     if kind == "wrong_operator":
         for n in body_nodes:
             if isinstance(n, ast.BinOp) and type(n.op) in _BINOP_SWAP:
@@ -208,8 +209,8 @@ def candidates(source: str, func: str, kind: str) -> list[Mutation]:
                 out.append(Mutation(kind, n.lineno - 1, end, (), "if branch removed"))
     elif kind == "wrong_variable":
         for n in body_nodes:
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in local_names:
-                for other in local_names:
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in locals_:
+                for other in locals_:
                     if other != n.id:
                         add(n, ast.Name(other, ast.Load()), f"variable {n.id} -> {other}")
     elif kind == "wrong_return":
@@ -219,11 +220,9 @@ def candidates(source: str, func: str, kind: str) -> list[Mutation]:
                 if isinstance(v, ast.Constant) and isinstance(v.value, bool):
                     add(v, ast.Constant(not v.value), "returned constant")
                     continue
-                used = sorted(
-                    {x.id for x in ast.walk(v) if isinstance(x, ast.Name)} & set(local_names)
-                )
+                used = sorted({x.id for x in ast.walk(v) if isinstance(x, ast.Name)} & set(locals_))
                 shown = ast.unparse(v)
-                for name in [*used, *local_names]:
+                for name in [*used, *locals_]:
                     if name != shown:
                         add(v, ast.Name(name, ast.Load()), f"returns {name} instead of {shown}")
     else:

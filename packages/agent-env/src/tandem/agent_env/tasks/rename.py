@@ -16,7 +16,7 @@ import re
 import tokenize
 from collections.abc import Collection
 
-from tandem.agent_env.tasks.mutate import _locals, find_function
+from tandem.agent_env.tasks.mutate import find_function, local_names
 from tandem.agent_env.tasks.templates import Template
 
 NAME_POOL = (
@@ -29,11 +29,10 @@ NAME_POOL = (
 """Identifiers the renaming draws from: everyday names, none a builtin or keyword."""
 
 
-def rename_mapping(source: str, function: str, rng: random.Random) -> dict[str, str]:
-    """A random one-to-one renaming of ``function``'s parameters and locals to names of
-    `NAME_POOL` that the source does not use otherwise (a name may keep itself)."""
-    tree = ast.parse(source)
-    local = _locals(find_function(tree, function))
+def rename_mapping(tree: ast.Module, function: str, rng: random.Random) -> dict[str, str]:
+    """A random one-to-one renaming of ``function``'s parameters and locals (in ``tree``) to
+    names of `NAME_POOL` that the source does not use otherwise (a name may keep itself)."""
+    local = local_names(find_function(tree, function))
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {function}
     free = [n for n in NAME_POOL if n not in used or n in local]
     if len(free) < len(local):
@@ -44,7 +43,7 @@ def rename_mapping(source: str, function: str, rng: random.Random) -> dict[str, 
 def rename_source(source: str, mapping: dict[str, str], in_text: Collection[str] = ()) -> str:
     """``source`` with every name token in ``mapping`` renamed (attributes and keyword
     arguments of calls keep theirs), and the words ``in_text`` (the parameters, which a
-    docstring names) renamed in its strings too."""
+    docstring names) renamed in its one-line strings too."""
     said = sorted(set(in_text) & set(mapping))
     words = re.compile(r"\b(" + "|".join(map(re.escape, said)) + r")\b") if said else None
     edits: list[tuple[int, int, int, str]] = []
@@ -91,7 +90,8 @@ def _inside_call(tokens: list[tokenize.TokenInfo], i: int) -> bool:
 
 def renamed(template: Template, rng: random.Random) -> Template:
     """``template`` with its locals renamed by a mapping drawn from ``rng``."""
-    mapping = rename_mapping(template.source, template.name, rng)
-    fn = find_function(ast.parse(template.source), template.name)
-    params = [a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]]
+    tree = ast.parse(template.source)
+    mapping = rename_mapping(tree, template.name, rng)
+    args = find_function(tree, template.name).args
+    params = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
     return Template(template.name, rename_source(template.source, mapping, params), template.inputs)
